@@ -1,0 +1,86 @@
+"""Build script for vllm-graft and its compiled ops, ``vllm_graft._C``.
+
+The CPU kernels are always built. The CUDA kernels are added when torch itself
+was built with CUDA and a CUDA toolkit is found; whether a GPU is visible on
+the build machine does not matter, so a wheel built on a GPU-less machine
+still ships them. ``VLLM_GRAFT_BUILD_CUDA`` overrides the choice: ``0`` builds
+CPU only, ``1`` requires CUDA and fails loudly when it cannot be built.
+``TORCH_CUDA_ARCH_LIST`` (read by torch) picks the GPU architectures.
+
+Install (torch must already be installed)::
+
+    pip install --no-build-isolation -e .
+"""
+
+import os
+
+import torch
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import (
+    CUDA_HOME,
+    BuildExtension,
+    CppExtension,
+    CUDAExtension,
+)
+
+BUILD_CUDA_ENV = "VLLM_GRAFT_BUILD_CUDA"
+
+CPU_SOURCES = ["csrc/ops.cpp"]
+CUDA_SOURCES = ["csrc/ops_cuda.cpp", "csrc/kernels/successor_kernels.cu"]
+
+# The C++ standard of torch-including sources is left to torch, which passes
+# the one its headers require. The CUDA kernels are torch-free C++17.
+CXX_FLAGS = ["-O3"]
+NVCC_FLAGS = ["-O3", "-std=c++17"]
+
+
+def cuda_build_blocker() -> str | None:
+    """Why the CUDA kernels cannot be built here, or None when they can."""
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} was built without CUDA"
+    if CUDA_HOME is None:
+        return "no CUDA toolkit found (set CUDA_HOME or put nvcc on PATH)"
+    return None
+
+
+def should_build_cuda() -> bool:
+    choice = os.environ.get(BUILD_CUDA_ENV, "").strip()
+    if choice not in ("", "0", "1"):
+        raise SystemExit(f"{BUILD_CUDA_ENV} must be 0, 1 or unset, got {choice!r}")
+    if choice == "0":
+        return False
+    blocker = cuda_build_blocker()
+    if choice == "1" and blocker:
+        raise SystemExit(f"{BUILD_CUDA_ENV}=1 but the CUDA ops cannot be built: {blocker}")
+    return blocker is None
+
+
+def compiled_ops_extension():
+    if should_build_cuda():
+        return CUDAExtension(
+            name="vllm_graft._C",
+            sources=CPU_SOURCES + CUDA_SOURCES,
+            define_macros=[("VLLM_GRAFT_WITH_CUDA", None)],
+            extra_compile_args={"cxx": CXX_FLAGS, "nvcc": NVCC_FLAGS},
+        )
+    return CppExtension(
+        name="vllm_graft._C",
+        sources=CPU_SOURCES,
+        extra_compile_args={"cxx": CXX_FLAGS},
+    )
+
+
+setup(
+    name="vllm-graft",
+    version="0.1.0",
+    description="Speculative-decoding extension for vLLM",
+    packages=find_packages(include=["vllm_graft*"]),
+    python_requires=">=3.10",
+    install_requires=["pydantic>=2", "tqdm"],
+    ext_modules=[compiled_ops_extension()],
+    cmdclass={"build_ext": BuildExtension},
+    entry_points={
+        "console_scripts": ["vllm-graft = vllm_graft.cli.main:main"],
+        "vllm.general_plugins": ["graft = vllm_graft.vllm.plugin:register"],
+    },
+)

@@ -1,0 +1,57 @@
+import pytest
+
+from vllm_graft.core.config import (DEFAULT_THRESHOLDS, GraftConfig, GraftConfigError, Variant,
+                                    num_draft_candidates)
+
+
+def test_defaults_follow_the_paper():
+    cfg = GraftConfig()
+    assert cfg.variant is Variant.GRAFT
+    assert (cfg.budget, cfg.top_k, cfg.max_depth, cfg.successor_k) == (60, 10, 7, 8)
+    assert cfg.checkpoints == (0, 1, 5) and cfg.draft_keep == (8, 24, 40)
+    assert cfg.effective_thresholds() == DEFAULT_THRESHOLDS
+
+
+def test_threshold_precedence():
+    cfg = GraftConfig(thresholds=(0.5, 0.4, 0.3))
+    assert cfg.effective_thresholds(calibrated=(0.1, 0.1, 0.1)) == (0.5, 0.4, 0.3)
+    assert GraftConfig().effective_thresholds(calibrated=(0.1, 0.2, 0.3)) == (0.1, 0.2, 0.3)
+
+
+def test_candidate_counts():
+    assert num_draft_candidates(10, 0) == 0
+    assert num_draft_candidates(10, 1) == 10
+    assert num_draft_candidates(10, 2) == 110
+    assert GraftConfig().draft_candidates == 610
+
+
+@pytest.mark.parametrize("data, key", [
+    ({"budget": 0}, "graft.budget"),
+    ({"variant": "beam"}, "graft.variant"),
+    ({"bogus": 1}, "graft.bogus: unknown key"),
+    ({"checkpoints": [1, 0], "draft_keep": [8, 24]}, "strictly increasing"),
+    ({"checkpoints": [0, 1, 9], "draft_keep": [8, 24, 40]}, "max_depth"),
+    ({"checkpoints": [0, 2]}, "draft_keep is required"),
+    ({"draft_keep": [8, 24]}, "draft_keep needs one entry per checkpoint"),
+    ({"draft_keep": [11, 24, 40]}, "draft_keep 11 at checkpoint 0"),
+    ({"thresholds": [0.3, 0.2]}, "thresholds needs one entry"),
+    ({"thresholds": [1.5, 0.2, 0.1]}, "thresholds must lie in"),
+    ({"retrieval_width": 9}, "cannot exceed successor_k"),
+    ({"rank_prior": [0.5, 1.2, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]}, "rank_prior entries"),
+    ({"top_k": "ten"}, "graft.top_k"),
+    ({"ops_backend": "gpu"}, "graft.ops_backend"),
+])
+def test_bad_values_name_the_key(data, key):
+    with pytest.raises(GraftConfigError, match=key.replace(".", r"\.")):
+        GraftConfig.from_dict(data)
+
+
+def test_config_is_frozen():
+    cfg = GraftConfig()
+    with pytest.raises(Exception):
+        cfg.budget = 8
+
+
+@pytest.mark.parametrize("budget, keep", [(60, (8, 24, 40)), (8, (1, 3, 5)), (20, (3, 8, 13))])
+def test_default_draft_keep_scales_with_the_budget(budget, keep):
+    assert GraftConfig(budget=budget).draft_keep == keep

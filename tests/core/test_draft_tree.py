@@ -1,0 +1,93 @@
+import itertools
+
+import pytest
+import torch
+
+from tests.core.helpers import TableDrafter
+from vllm_graft.core.draft_tree import DraftTreeBuilder
+
+
+def _all_paths(drafter, root, top_k, depth):
+    """Brute force EAGLE-2 expansion: returns {path tuple: score} of every pool candidate."""
+    lp = drafter.logprobs
+    pool = {}
+    frontier = [((), 0.0, root)]
+    for step in range(depth):
+        new = []
+        for path, score, tok in frontier:
+            values, ids = lp[tok].topk(top_k)
+            for v, i in zip(values.tolist(), ids.tolist()):
+                new.append((path + (i,), score + v, i))
+        pool.update({p: s for p, s, _ in new})
+        frontier = sorted(new, key=lambda x: -x[1])[:top_k]
+    return pool
+
+
+@pytest.mark.parametrize("top_k, depth, keep", [(3, 3, 10), (4, 4, 25), (10, 7, 60), (2, 5, 9)])
+def test_selection_is_best_m_and_prefix_closed(top_k, depth, keep):
+    vocab = 50
+    drafter = TableDrafter(vocab, top_k, seed=top_k)
+    builder = DraftTreeBuilder(top_k=top_k, max_depth=depth, full_keep=keep)
+    roots = torch.tensor([3, 17, 42])
+    tree = builder.build(roots, drafter)
+    for b, root in enumerate(roots.tolist()):
+        pool = _all_paths(drafter, root, top_k, depth)
+        n = int(tree.valid[b].sum())
+        assert n == min(keep, len(pool))
+        best = sorted(pool.values(), reverse=True)[:n]
+        got = tree.scores[b, :n].tolist()
+        assert got == pytest.approx(best, abs=1e-5)
+        # every node's path is in the pool with that score, parents come first
+        paths = []
+        for i in range(n):
+            p = int(tree.parents[b, i])
+            assert p < i
+            path = (paths[p] if p >= 0 else ()) + (int(tree.tokens[b, i]),)
+            paths.append(path)
+            assert pool[path] == pytest.approx(float(tree.scores[b, i]), abs=1e-5)
+            assert int(tree.depths[b, i]) == len(path)
+    assert tree.steps.tolist() == [depth] * 3
+
+
+def test_pruning_stops_at_the_checkpoint_and_saves_drafter_calls():
+    vocab, top_k = 40, 4
+    # after token 5 the drafter is unsure (top-1 prob 0.1); after token 6 it is sure
+    drafter = TableDrafter(vocab, top_k, confidence={5: 0.1, 6: 0.97, 7: 0.97, 8: 0.97})
+    builder = DraftTreeBuilder(top_k=top_k, max_depth=5, checkpoints=(0, 1, 3),
+                               draft_keep=(3, 6, 10), thresholds=(0.3, 0.2, 0.0), full_keep=12)
+    roots = torch.tensor([5, 6, 5])
+    tree = builder.build(roots, drafter)
+    assert tree.stage.tolist() == [0, 3, 0]  # 3 = drafted to full depth
+    assert tree.steps.tolist() == [1, 5, 1]
+    assert tree.valid.sum(1).tolist() == [3, 12, 3]
+    # after step 0 only the confident request was still sent to the drafter
+    assert [c.active.tolist() for c in drafter.calls] == [[0, 1, 2]] + [[1]] * 4
+
+
+def test_pruning_switched_off_drafts_full_depth():
+    drafter = TableDrafter(40, 4, confidence={5: 0.1})
+    builder = DraftTreeBuilder(top_k=4, max_depth=3, checkpoints=(0,), draft_keep=(2,),
+                               thresholds=(0.9,), full_keep=10)
+    tree = builder.build(torch.tensor([5]), drafter, prune=False)
+    assert tree.steps.tolist() == [3] and int(tree.valid.sum()) == 10
+
+
+def test_non_finite_drafter_scores_are_never_selected():
+    def drafter(step):
+        a, w = step.tokens.shape
+        values = torch.full((a, w, 3), float("-inf"))
+        values[..., 0] = -0.1  # only one finite child per node
+        values[..., 1] = float("nan")
+        ids = torch.arange(3).expand(a, w, 3) + 10 * (step.step + 1)
+        return values, ids
+    builder = DraftTreeBuilder(top_k=3, max_depth=3, full_keep=9)
+    tree = builder.build(torch.tensor([1]), drafter)
+    assert int(tree.valid.sum()) == 3  # a single chain
+    assert tree.tokens[0, :3].tolist() == [10, 20, 30]
+    assert torch.isfinite(tree.scores[tree.valid]).all()
+
+
+def test_drafter_shape_errors_are_clear():
+    builder = DraftTreeBuilder(top_k=3, max_depth=2, full_keep=4)
+    with pytest.raises(ValueError, match="drafter returned"):
+        builder.build(torch.tensor([1]), lambda s: (torch.zeros(1, 1, 2), torch.zeros(1, 1, 2)))

@@ -1,0 +1,101 @@
+import pytest
+import torch
+
+from tests.core.helpers import TableDrafter
+from vllm_graft.core.acceptance import SamplingBatch, accept_tree
+from vllm_graft.core.config import GraftConfig
+from vllm_graft.core.graft import GraftTreeBuilder, accepted_by_source
+from vllm_graft.core.hybrid import SOURCE_DRAFT, SOURCE_RETRIEVED
+from vllm_graft.core.successor import SuccessorMatrix
+
+VOCAB = 64
+
+
+def _matrix():
+    g = torch.Generator().manual_seed(3)
+    m = SuccessorMatrix.empty(VOCAB, 8)
+    m.update_(torch.arange(VOCAB),
+              torch.stack([torch.randperm(VOCAB, generator=g)[:8] for _ in range(VOCAB)]))
+    return m
+
+
+# after token 1 the drafter is unsure, after token 2 it is sure of one child
+CONFIDENCE = {1: 0.05, **{t: 0.99 for t in range(2, VOCAB)}}
+
+
+@pytest.mark.parametrize("variant", ["graft", "dense_tree", "prune_only", "retrieval_only"])
+@pytest.mark.parametrize("budget", [8, 60])
+def test_variants_fill_the_budget_as_designed(variant, budget):
+    cfg = GraftConfig(variant=variant, budget=budget, checkpoints=(0, 1, 5),
+                      draft_keep=(min(8, budget), min(24, budget), min(40, budget)))
+    builder = GraftTreeBuilder(cfg, _matrix())
+    drafter = TableDrafter(VOCAB, cfg.top_k, confidence=CONFIDENCE)
+    roots = torch.tensor([1, 2, 1, 2])
+    tree, stats = builder.build(roots, drafter)
+    assert tree.tokens.shape == (4, budget + 1)
+    draft = (tree.source & SOURCE_DRAFT).bool() & tree.valid
+    retrieved = (tree.source == SOURCE_RETRIEVED) & tree.valid
+    nodes = tree.num_nodes - 1
+    if variant == "graft":
+        assert stats.stage.tolist() == [0, 3, 0, 3]
+        assert (nodes == budget).all()  # retrieval refills what pruning freed
+        assert draft.sum(1).tolist()[::2] == [min(8, budget)] * 2
+        assert (retrieved.sum(1)[[0, 2]] > 0).all() if budget > 8 else True
+    elif variant == "dense_tree":
+        assert (nodes == budget).all() and not retrieved.any()
+        assert stats.draft_steps.tolist() == [cfg.max_depth] * 4
+    elif variant == "prune_only":
+        assert nodes.tolist() == [min(8, budget), budget, min(8, budget), budget]
+        assert not retrieved.any()
+    else:
+        assert stats.draft_steps.tolist() == [0] * 4 and not draft.any()
+        assert (nodes == budget).all()
+
+
+def test_retrieval_only_needs_no_drafter_but_others_do():
+    with pytest.raises(ValueError, match="needs a drafter"):
+        GraftTreeBuilder(GraftConfig(), _matrix()).build(torch.tensor([1]))
+    tree, _ = GraftTreeBuilder(GraftConfig(variant="retrieval_only"), _matrix()).build(
+        torch.tensor([5]))
+    assert int(tree.num_nodes[0]) == 61
+
+
+def test_observe_learns_every_verified_row():
+    m = SuccessorMatrix.empty(VOCAB, 8)
+    builder = GraftTreeBuilder(GraftConfig(variant="dense_tree", budget=12, top_k=3, max_depth=3,
+                                           checkpoints=(), draft_keep=()), m)
+    tree, _ = builder.build(torch.tensor([4, 9]), TableDrafter(VOCAB, 3))
+    logits = torch.randn(2, 13, VOCAB)
+    builder.observe(tree, logits)
+    flat_tokens = tree.tokens.reshape(-1).tolist()
+    flat_logits = logits.reshape(26, VOCAB)
+    last_row = {t: i for i, t in enumerate(flat_tokens) if t >= 0}  # last occurrence wins
+    assert sorted(m.touched_rows().tolist()) == sorted(last_row)
+    for token, i in last_row.items():
+        assert m.table[token].tolist() == flat_logits[i].topk(8).indices.tolist()
+
+
+def test_retrieval_learns_the_target_while_decoding():
+    """A target that always continues t -> t+1. Decoding with retrieval only, the matrix
+    learns from every verification; once a token's successors are known, the whole
+    rank-0 chain of the template is accepted in one step."""
+    m = SuccessorMatrix.empty(VOCAB, 8)
+    builder = GraftTreeBuilder(GraftConfig(variant="retrieval_only", budget=20), m)
+    template = builder.expander.template.prefix(20)  # the nodes that fit the budget
+    chain, node = 0, -1
+    while (node := next((j for j, (p, r) in enumerate(zip(template.parents, template.ranks))
+                         if p == node and r == 0), None)) is not None:
+        chain += 1
+    token, accepted, emitted = 0, [], [0]
+    for _ in range(80):  # the first lap over the vocabulary teaches the matrix
+        tree, _ = builder.build(torch.tensor([token]))
+        logits = torch.nn.functional.one_hot((tree.tokens.clamp(min=0) + 1) % VOCAB, VOCAB) * 10.0
+        result = accept_tree(tree, logits, SamplingBatch.greedy(1))
+        builder.observe(tree, logits)
+        n = int(result.num_accepted[0])
+        accepted.append(n)
+        emitted += result.output_tokens[0, :n + 1].tolist()
+        token = emitted[-1]
+    assert emitted == [t % VOCAB for t in range(len(emitted))]  # greedy output is the target's
+    assert accepted[0] == 0 and accepted[-1] >= chain >= 6
+    assert accepted_by_source(tree, result) == {"draft": 0, "retrieved": accepted[-1], "both": 0}

@@ -1,0 +1,192 @@
+"""Lossless acceptance of a verified token tree, batched over requests.
+
+Every Graft candidate is a deterministic proposal (a top-k draft or a matrix lookup),
+so each child has a one-hot proposal distribution. Walking from the root:
+
+* greedy (temperature 0): follow the child whose token is the target's argmax; when
+  none matches, emit the argmax as the bonus token and stop.
+* sampling: with ``r`` the target distribution at the current node after temperature,
+  top-k and top-p, try the distinct children in row order; accept child ``x`` with
+  probability ``r(x) / sum(r)``, otherwise set ``r(x) = 0`` and try the next; when all
+  are rejected, emit a sample of the renormalised residual ``r`` and stop.
+
+This is SpecInfer's multi-draft rule with one-hot proposals: the emitted token at each
+node is distributed exactly as ``r`` (child ``j`` is accepted with probability
+``r(x_j)`` overall, and the residual carries the remaining mass), so the output has the
+distribution of plain sampling. Children and their order are fixed before the target
+pass, as the rule requires.
+
+Random numbers come from per-request generators when a request has one (seeded
+requests), otherwise from the default generator; a fixed count is drawn per level so
+a seeded request's stream does not depend on the other requests in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from vllm_graft.core.hybrid import HybridTree
+
+
+@dataclass
+class SamplingBatch:
+    """Per-request sampling settings. temperature 0 = greedy; top_k <= 0 or >= vocab
+    and top_p >= 1 switch those filters off. ``generators`` maps a batch index to its
+    own generator (seeded requests)."""
+
+    temperature: torch.Tensor  # [B] float32
+    top_k: torch.Tensor | None = None  # [B] int64
+    top_p: torch.Tensor | None = None  # [B] float32
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+
+    @classmethod
+    def greedy(cls, batch: int, device: torch.device | str = "cpu") -> SamplingBatch:
+        return cls(temperature=torch.zeros(batch, device=device))
+
+    @property
+    def is_greedy(self) -> torch.Tensor:
+        return self.temperature <= 0
+
+
+@dataclass
+class AcceptanceResult:
+    """accepted_rows: [B, D] tree rows of the accepted drafts in path order, -1 padded
+    output_tokens: [B, D+1] accepted draft tokens followed by the bonus token, -1 padded
+    num_accepted:  [B] accepted drafts (the bonus token not counted)"""
+
+    accepted_rows: torch.Tensor
+    output_tokens: torch.Tensor
+    num_accepted: torch.Tensor
+
+
+#: ``probs_fn(logits [A, V], rows [A]) -> probs [A, V]``: the target distribution used
+#: for sampling, for the requests at batch indices ``rows``. Must be the distribution
+#: plain decoding samples from (the vLLM adapter passes vLLM's own processing).
+ProbsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor,
+                   top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Temperature, then top-k, then top-p, then softmax: vLLM's sampler semantics
+    (top-k keeps ties with the k-th value; top-p keeps the smallest high-probability set
+    whose mass reaches p, at least one token)."""
+    logits = logits.float() / temperature.float().clamp(min=1e-6).unsqueeze(1)
+    vocab = logits.shape[1]
+    if top_k is not None:
+        k = top_k.long()
+        k = torch.where((k <= 0) | (k > vocab), vocab, k)
+        if bool((k < vocab).any()):
+            kth = logits.topk(int(k.max()), dim=1).values.gather(1, (k - 1).unsqueeze(1))
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and bool((top_p < 1).any()):
+        sorted_logits, order = logits.sort(dim=1, descending=False)
+        cumulative = sorted_logits.softmax(dim=1).cumsum(dim=1)
+        drop = cumulative <= (1 - top_p.float()).unsqueeze(1)
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    return logits.softmax(dim=1)
+
+
+def _uniforms(rows: torch.Tensor, count: int, params: SamplingBatch,
+              device: torch.device) -> torch.Tensor:
+    """[len(rows), count] uniforms; rows with their own generator draw from it."""
+    out = torch.rand((rows.numel(), count), device=device)
+    if params.generators:
+        for i, row in enumerate(rows.tolist()):
+            gen = params.generators.get(row)
+            if gen is not None:
+                out[i] = torch.rand(count, generator=gen, device=gen.device).to(device)
+    return out
+
+
+def accept_tree(tree: HybridTree, target_logits: torch.Tensor, params: SamplingBatch,
+                probs_fn: ProbsFn | None = None) -> AcceptanceResult:
+    """Walk every request's tree once; see the module docstring for the rule.
+
+    target_logits: [B, N+1, V], row i = target logits after the path to tree row i.
+    """
+    batch, rows, _ = target_logits.shape
+    device = target_logits.device
+    if tree.tokens.shape != (batch, rows):
+        raise ValueError(f"tree has shape {tuple(tree.tokens.shape)}, logits {batch}x{rows}")
+    if probs_fn is None:
+        def probs_fn(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+            return sampling_probs(
+                logits, params.temperature[idx],
+                None if params.top_k is None else params.top_k[idx],
+                None if params.top_p is None else params.top_p[idx])
+
+    max_steps = tree.max_depth + 1
+    accepted_rows = torch.full((batch, max_steps), -1, dtype=torch.long, device=device)
+    output = torch.full((batch, max_steps), -1, dtype=torch.long, device=device)
+    num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
+    current = torch.zeros(batch, dtype=torch.long, device=device)
+    greedy = params.is_greedy.to(device)
+    batch_index = torch.arange(batch, device=device)
+    live = torch.ones(batch, dtype=torch.bool, device=device)
+
+    for step in range(max_steps):
+        idx = batch_index[live]
+        if idx.numel() == 0:
+            break
+        cur = current[idx]
+        logits = target_logits[idx, cur]  # [A, V]
+        children = (tree.parents[idx] == cur[:, None]) & tree.valid[idx]  # [A, N+1]
+        child_tokens = tree.tokens[idx].clamp(min=0)
+        chosen = torch.full_like(cur, -1)  # accepted child row, -1 = none
+        emitted = torch.empty_like(cur)
+
+        g = greedy[idx]
+        if bool(g.any()):
+            target = logits[g].argmax(dim=1)
+            match = children[g] & (child_tokens[g] == target[:, None])
+            chosen[g] = torch.where(match.any(1), match.to(torch.uint8).argmax(1), -1)
+            emitted[g] = target
+        s = ~g
+        if bool(s.any()):
+            chosen[s], emitted[s] = _sample_level(
+                probs_fn(logits[s], idx[s]), children[s], child_tokens[s], idx[s], params)
+
+        hit = chosen >= 0
+        emitted = torch.where(hit, tree.tokens[idx].gather(1, chosen.clamp(min=0).unsqueeze(1))
+                              .squeeze(1), emitted)
+        output[idx, step] = emitted
+        accepted_rows[idx[hit], step] = chosen[hit]
+        num_accepted[idx[hit]] += 1
+        current[idx[hit]] = chosen[hit]
+        live[idx[~hit]] = False
+    return AcceptanceResult(accepted_rows[:, :max_steps - 1].contiguous(), output, num_accepted)
+
+
+def _sample_level(probs: torch.Tensor, children: torch.Tensor, child_tokens: torch.Tensor,
+                  rows: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """One level of the multi-draft rule for A sampled requests.
+
+    probs [A, V]; children [A, N+1] bool (which rows are children of the current node;
+    their tokens are distinct); returns (accepted child row or -1, residual sample).
+
+    The mass left before child j is computed from the remaining side (residual mass plus
+    the children from j on) in float64, so when the children cover all of ``r`` the last
+    one is accepted with probability exactly 1 and the residual is never empty.
+    """
+    width = children.shape[1]
+    probs = probs.double()
+    is_child_token = torch.zeros(probs.shape, dtype=torch.uint8, device=probs.device)
+    is_child_token.scatter_reduce_(1, child_tokens, children.to(torch.uint8), "amax")
+    residual = probs.masked_fill(is_child_token.bool(), 0.0)
+    residual_mass = residual.sum(1, keepdim=True)
+    r_child = probs.gather(1, child_tokens) * children  # r(x_j); 0 for non-children
+    mass_from_j = residual_mass + r_child.flip(1).cumsum(1).flip(1)
+    accept_prob = torch.where(children, r_child / mass_from_j.clamp(min=1e-300), 0.0)
+
+    u = _uniforms(rows, width + 1, params, probs.device).double()
+    accepted = (u[:, :width] < accept_prob) & children
+    chosen = torch.where(accepted.any(1), accepted.to(torch.uint8).argmax(1), -1)
+
+    cdf = residual.cumsum(1)
+    sample = torch.searchsorted(cdf, u[:, width:] * residual_mass, right=True).squeeze(1)
+    return chosen, sample.clamp(max=probs.shape[1] - 1)

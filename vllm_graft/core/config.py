@@ -1,0 +1,189 @@
+"""Typed, validated configuration of the Graft algorithm.
+
+Everything the algorithm needs to build a hybrid tree lives here; nothing in this
+module knows about vLLM. Invalid values fail at construction with a message that names
+the key (``graft.budget: ...``), so a bad ``graft.json`` is rejected at start-up and
+never reaches the engine loop.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class GraftConfigError(ValueError):
+    """A Graft setting (or a file it names) is invalid; the message names the key."""
+
+
+class Variant(str, Enum):
+    """Which parts of Graft are switched on (the ablations of the paper)."""
+
+    GRAFT = "graft"  # calibrated pruning + retrieval fill (the product)
+    DENSE_TREE = "dense_tree"  # EAGLE-3 dynamic tree, no pruning, no retrieval
+    PRUNE_ONLY = "prune_only"  # ECHO-like: pruning, freed slots stay empty
+    RETRIEVAL_ONLY = "retrieval_only"  # Token-Recycling-like: no drafter at all
+
+    @property
+    def drafts(self) -> bool:
+        return self is not Variant.RETRIEVAL_ONLY
+
+    @property
+    def prunes(self) -> bool:
+        return self in (Variant.GRAFT, Variant.PRUNE_ONLY)
+
+    @property
+    def retrieves(self) -> bool:
+        return self in (Variant.GRAFT, Variant.RETRIEVAL_ONLY)
+
+
+PAPER_BUDGET = 60
+PAPER_CHECKPOINTS = (0, 1, 5)
+PAPER_DRAFT_KEEP = (8, 24, 40)
+
+#: Thresholds used when neither ``thresholds`` nor a calibration file is given.
+#: Chosen so that a weak drafter stops early at the root (top-1 draft probability
+#: below 0.35) while a confident one drafts on; ``vllm-graft calibrate`` replaces them.
+DEFAULT_THRESHOLDS = (0.35, 0.25, 0.15)
+
+#: Prior acceptance probability of the successor at each rank of the matrix (rank 0 =
+#: the target's most likely next token). Retrieval templates are the best-first
+#: expansion under these priors, which makes them asymmetric: high ranks get deep
+#: chains and many children, low ranks stay shallow. Roughly Token Recycling's
+#: per-rank acceptance; calibration may refit them.
+DEFAULT_RANK_PRIOR = (0.62, 0.17, 0.08, 0.05, 0.035, 0.025, 0.02, 0.015)
+
+
+class GraftConfig(BaseModel):
+    """The ``graft`` section of the speculative config.
+
+    ``budget`` counts candidate nodes, excluding the root (the last accepted token,
+    which is verified anyway), so one verification step processes ``budget + 1``
+    rows per request. Checkpoint ``d`` is the ``d``-th draft step (0 = the root's
+    children, at tree depth ``d + 1``).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    variant: Variant = Variant.GRAFT
+    budget: int = Field(60, ge=1, le=256, description="candidate nodes per tree")
+    top_k: int = Field(10, ge=1, le=64, description="drafter branching factor")
+    max_depth: int = Field(7, ge=1, le=32, description="draft steps without pruning")
+    checkpoints: tuple[int, ...] = PAPER_CHECKPOINTS
+    draft_keep: tuple[int, ...] = PAPER_DRAFT_KEEP
+    thresholds: tuple[float, ...] | None = None
+    calibration: str | None = None
+    successor_k: int = Field(8, ge=1, le=64, description="successors stored per token")
+    warmup: str | None = Field(None, description="successor matrix file to start from")
+    retrieval_depth: int = Field(8, ge=1, le=32)
+    retrieval_width: int = Field(8, ge=1, le=64)
+    retrieval_slack: int = Field(
+        8, ge=0, le=256, description="extra template nodes that refill merged duplicates"
+    )
+    rank_prior: tuple[float, ...] = DEFAULT_RANK_PRIOR
+    ops_backend: str = Field("compiled", pattern="^(compiled|reference)$")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _scale_default_draft_keep(cls, data: Any) -> Any:
+        """Without an explicit ``draft_keep``, the paper's 8 / 24 / 40 of 60 slots are
+        scaled to the budget (budget 8 keeps 1 / 3 / 5). Other checkpoint layouts must
+        say how many draft nodes each keeps."""
+        if not isinstance(data, dict) or "draft_keep" in data:
+            return data
+        checkpoints = tuple(data.get("checkpoints", PAPER_CHECKPOINTS))
+        if checkpoints != PAPER_CHECKPOINTS:
+            if checkpoints:
+                raise ValueError("draft_keep is required when checkpoints differ from (0, 1, 5)")
+            return {**data, "draft_keep": ()}
+        budget = data.get("budget", PAPER_BUDGET)
+        top_k = data.get("top_k", 10)
+        if not isinstance(budget, int) or not isinstance(top_k, int) or budget < 1 or top_k < 1:
+            return data  # field validation reports it
+        keep, floor = [], 1
+        for cp, paper in zip(checkpoints, PAPER_DRAFT_KEEP):
+            ceiling = min(budget, num_draft_candidates(top_k, cp + 1))
+            floor = min(max(floor, round(budget * paper / PAPER_BUDGET)), ceiling)
+            keep.append(floor)
+        return {**data, "draft_keep": tuple(keep)}
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> GraftConfig:
+        cps = self.checkpoints
+        if any(b <= a for a, b in zip(cps, cps[1:])) or (cps and cps[0] < 0):
+            raise ValueError(f"checkpoints must be strictly increasing and >= 0, got {list(cps)}")
+        if cps and cps[-1] >= self.max_depth:
+            raise ValueError(
+                f"checkpoints must be < max_depth ({self.max_depth}), got {list(cps)}")
+        if len(self.draft_keep) != len(cps):
+            raise ValueError(
+                f"draft_keep needs one entry per checkpoint ({len(cps)}), "
+                f"got {list(self.draft_keep)}")
+        for cp, keep in zip(cps, self.draft_keep):
+            available = num_draft_candidates(self.top_k, cp + 1)
+            if not 1 <= keep <= min(self.budget, available):
+                raise ValueError(
+                    f"draft_keep {keep} at checkpoint {cp} must be in "
+                    f"[1, min(budget={self.budget}, {available} drafted candidates)]")
+        if self.thresholds is not None:
+            if len(self.thresholds) != len(cps):
+                raise ValueError(
+                    f"thresholds needs one entry per checkpoint ({len(cps)}), "
+                    f"got {list(self.thresholds)}")
+            if any(not 0.0 <= t <= 1.0 for t in self.thresholds):
+                raise ValueError(f"thresholds must lie in [0, 1], got {list(self.thresholds)}")
+        if self.retrieval_width > self.successor_k:
+            raise ValueError(
+                f"retrieval_width ({self.retrieval_width}) cannot exceed successor_k "
+                f"({self.successor_k}): a template rank must exist in the matrix")
+        if len(self.rank_prior) < self.retrieval_width:
+            raise ValueError(
+                f"rank_prior needs at least retrieval_width ({self.retrieval_width}) "
+                f"entries, got {len(self.rank_prior)}")
+        if any(not 0.0 < p < 1.0 for p in self.rank_prior):
+            raise ValueError(f"rank_prior entries must lie in (0, 1), got {list(self.rank_prior)}")
+        return self
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None, *, where: str = "graft") -> GraftConfig:
+        """Build from user input; errors name the offending key as ``where.key``."""
+        try:
+            return cls.model_validate(data or {})
+        except ValidationError as err:
+            raise GraftConfigError(format_validation_error(err, where)) from None
+
+    def effective_thresholds(self, calibrated: tuple[float, ...] | None = None) -> tuple[float, ...]:
+        """Explicit thresholds win over the calibration file, which wins over defaults."""
+        if self.thresholds is not None:
+            return self.thresholds
+        if calibrated is not None:
+            return calibrated
+        if len(self.checkpoints) == len(DEFAULT_THRESHOLDS):
+            return DEFAULT_THRESHOLDS
+        return tuple(DEFAULT_THRESHOLDS[-1] for _ in self.checkpoints)
+
+    @property
+    def draft_candidates(self) -> int:
+        """Capacity of the drafted-candidate pool of a full-depth tree."""
+        return num_draft_candidates(self.top_k, self.max_depth)
+
+
+def num_draft_candidates(top_k: int, steps: int) -> int:
+    """Candidates after ``steps`` draft steps: top_k at the root, top_k**2 per step after."""
+    if steps <= 0:
+        return 0
+    return top_k + (steps - 1) * top_k * top_k
+
+
+def format_validation_error(err: ValidationError, where: str) -> str:
+    """One line per problem, each naming the full key path."""
+    lines = []
+    for item in err.errors():
+        loc = ".".join(str(p) for p in (where, *item["loc"]))
+        msg = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"{loc}: {msg}")
+    return "; ".join(lines)

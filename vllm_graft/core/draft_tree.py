@@ -1,0 +1,187 @@
+"""EAGLE-2/3 style dynamic draft tree with calibrated early stopping, batched.
+
+Each draft step expands the ``top_k`` best frontier nodes of every active request by
+``top_k`` children each; a candidate's score is the cumulative draft log-probability of
+its path. All candidates are kept in a pool with a fixed layout (step 0 fills slots
+``[0, top_k)``, step ``s >= 1`` fills ``top_k**2`` slots after that), and at the end the
+best ``keep`` candidates of each request are selected. Scores never increase along a
+path and ties are broken by pool index (parents precede children), so the selection is
+prefix-closed without any repair.
+
+Pruning (ECHO / Graft): after a checkpoint step ``d`` the best path's confidence
+``c_d = exp(max score at step d)`` is compared with ``tau_d``; a request below it stops
+drafting and keeps its best ``draft_keep[i]`` candidates. Stopped requests are dropped
+from later drafter calls, which is where the draft compute is saved.
+
+The drafter is a callback, so an EAGLE-3 head, a draft model or a test double can
+drive the same builder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from vllm_graft.core.config import num_draft_candidates
+
+
+@dataclass
+class DraftPool:
+    """Every drafted candidate so far. Slot ``c`` of request ``b``:
+
+    tokens[b, c]  proposed token id (-1 = empty)
+    parents[b, c] pool slot of the parent (-1 = the root)
+    scores[b, c]  cumulative draft log-prob (-inf = empty)
+    depths[b, c]  tree depth (root's children = 1)
+    """
+
+    tokens: torch.Tensor  # [B, C] int64
+    parents: torch.Tensor  # [B, C] int64
+    scores: torch.Tensor  # [B, C] float32
+    depths: torch.Tensor  # [B, C] int64
+
+
+@dataclass
+class DraftStep:
+    """What the drafter is asked to expand at one step.
+
+    step:     0-based draft step; the nodes it proposes sit at tree depth step + 1
+    active:   [A] batch indices of the requests still drafting
+    node_ids: [A, W] pool slots of the nodes to expand (-1 = the root, at step 0)
+    tokens:   [A, W] their tokens; -1 marks an empty frontier slot (a request whose
+              previous step had fewer than top_k finite candidates): its children are
+              discarded, so the drafter may return anything for it
+    pool:     the whole pool, for the drafter's tree attention over ancestors
+    """
+
+    step: int
+    active: torch.Tensor
+    node_ids: torch.Tensor
+    tokens: torch.Tensor
+    pool: DraftPool
+
+
+#: ``drafter(step) -> (logprobs [A, W, top_k], token_ids [A, W, top_k])``: the drafter's
+#: top_k next-token log-probs (target vocabulary ids) for each node it was asked about.
+Drafter = Callable[[DraftStep], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class DraftTree:
+    """Selected draft nodes per request, parents-first, padded to ``capacity``.
+
+    tokens / parents (index into this tree, -1 = root) / depths / scores: [B, capacity]
+    valid:  [B, capacity] bool
+    stage:  [B] index of the checkpoint where drafting stopped, len(checkpoints) = never
+    steps:  [B] draft steps (drafter forwards) each request took
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    scores: torch.Tensor
+    valid: torch.Tensor
+    stage: torch.Tensor
+    steps: torch.Tensor
+
+
+class DraftTreeBuilder:
+    def __init__(self, *, top_k: int, max_depth: int, checkpoints: tuple[int, ...] = (),
+                 draft_keep: tuple[int, ...] = (), thresholds: tuple[float, ...] = (),
+                 full_keep: int, device: torch.device | str = "cpu"):
+        if not (len(checkpoints) == len(draft_keep) == len(thresholds)):
+            raise ValueError("checkpoints, draft_keep and thresholds must have equal lengths")
+        self.top_k = top_k
+        self.max_depth = max_depth
+        self.checkpoint_index = {cp: i for i, cp in enumerate(checkpoints)}
+        self.device = torch.device(device)
+        # keep_by_stage[stage]: nodes kept by a request that stopped at that stage
+        self.keep_by_stage = torch.tensor([*draft_keep, full_keep], dtype=torch.long,
+                                          device=self.device)
+        self.thresholds = torch.tensor(thresholds, dtype=torch.float32, device=self.device)
+        self.capacity = max(self.keep_by_stage.tolist())
+        self.pool_size = num_draft_candidates(top_k, max_depth)
+
+    def _step_slots(self, step: int) -> tuple[int, int]:
+        start = num_draft_candidates(self.top_k, step)  # candidates of steps < step
+        return start, start + (self.top_k if step == 0 else self.top_k * self.top_k)
+
+    def build(self, root_tokens: torch.Tensor, drafter: Drafter, *,
+              prune: bool = True) -> DraftTree:
+        batch, k, dev = root_tokens.shape[0], self.top_k, self.device
+        pool = DraftPool(
+            tokens=torch.full((batch, self.pool_size), -1, dtype=torch.long, device=dev),
+            parents=torch.full((batch, self.pool_size), -1, dtype=torch.long, device=dev),
+            scores=torch.full((batch, self.pool_size), float("-inf"), device=dev),
+            depths=torch.zeros((batch, self.pool_size), dtype=torch.long, device=dev),
+        )
+        stage = torch.full((batch,), len(self.keep_by_stage) - 1, dtype=torch.long, device=dev)
+        steps = torch.zeros(batch, dtype=torch.long, device=dev)
+        active = torch.arange(batch, device=dev)
+        node_ids = torch.full((batch, 1), -1, dtype=torch.long, device=dev)
+        node_tokens = root_tokens.long().view(batch, 1)
+        node_scores = torch.zeros((batch, 1), device=dev)
+
+        for step in range(self.max_depth):
+            if active.numel() == 0:
+                break
+            logprobs, child_tokens = drafter(
+                DraftStep(step=step, active=active, node_ids=node_ids, tokens=node_tokens,
+                          pool=pool))
+            n_active, width = node_ids.shape
+            if logprobs.shape != (n_active, width, k) or child_tokens.shape != logprobs.shape:
+                raise ValueError(
+                    f"drafter returned {tuple(logprobs.shape)} / {tuple(child_tokens.shape)} "
+                    f"at step {step}, expected ({n_active}, {width}, {k})")
+            steps[active] += 1
+            scores = (node_scores.unsqueeze(-1) + logprobs.float()).reshape(n_active, -1)
+            scores = scores.nan_to_num(nan=float("-inf"), neginf=float("-inf"))
+            start, end = self._step_slots(step)
+            pool.tokens[active, start:end] = child_tokens.reshape(n_active, -1).long()
+            pool.parents[active, start:end] = node_ids.repeat_interleave(k, dim=1)
+            pool.scores[active, start:end] = scores
+            pool.depths[active, start:end] = step + 1
+
+            if prune and step in self.checkpoint_index:
+                index = self.checkpoint_index[step]
+                confidence = scores.max(dim=1).values.exp()  # best path at this depth
+                stops = confidence < self.thresholds[index]
+                stage[active[stops]] = index
+                keep_going = ~stops
+                active, scores = active[keep_going], scores[keep_going]
+            if active.numel() == 0 or step + 1 == self.max_depth:
+                break
+            # frontier of the next step: the top_k best candidates of this step
+            node_scores, best = scores.topk(min(k, scores.shape[1]), dim=1)
+            node_ids = best + start
+            node_tokens = pool.tokens[active].gather(1, node_ids)
+
+        return self._select(pool, stage, steps)
+
+    def _select(self, pool: DraftPool, stage: torch.Tensor, steps: torch.Tensor) -> DraftTree:
+        """Best ``keep_by_stage[stage]`` candidates of each request, parents-first."""
+        batch, cap = pool.tokens.shape[0], self.capacity
+        order = torch.sort(pool.scores, dim=1, descending=True, stable=True).indices[:, :cap]
+        scores = pool.scores.gather(1, order)
+        keep = self.keep_by_stage[stage]
+        valid = (torch.arange(cap, device=self.device)[None, :] < keep[:, None]) \
+            & torch.isfinite(scores)
+        # position of each pool slot in the selection (-1 = not selected)
+        position = torch.full_like(pool.parents, -1)
+        position.scatter_(1, order, torch.where(
+            valid, torch.arange(cap, device=self.device).expand(batch, -1), -1))
+        parent_slots = pool.parents.gather(1, order)
+        parents = torch.where(parent_slots >= 0,
+                              position.gather(1, parent_slots.clamp(min=0)), -1)
+        tokens = torch.where(valid, pool.tokens.gather(1, order), -1)
+        return DraftTree(
+            tokens=tokens,
+            parents=torch.where(valid, parents, -1),
+            depths=torch.where(valid, pool.depths.gather(1, order), 0),
+            scores=torch.where(valid, scores, float("-inf")),
+            valid=valid,
+            stage=stage,
+            steps=steps,
+        )

@@ -1,0 +1,162 @@
+"""Trie-merge drafted and retrieved subtrees and flatten the result for verification.
+
+Both subtrees hang from the same root (the last accepted token). Candidates are laid
+out in priority order: root, draft nodes (best score first), retrieved nodes (template
+order). A candidate is a duplicate of an earlier one when both have the same token
+under the same (canonical) parent; duplicates merge into the earliest copy, so
+siblings are distinct tokens and a retrieved token that equals a drafted sibling adds
+nothing but a "both" source tag. The first ``budget`` distinct candidates are kept.
+
+Every step is a tensor operation over the batch; the only loop runs over tree depth.
+Priority order is parents-first and a kept node's canonical parent always precedes it,
+so the kept set is prefix-closed and the flattened order is parents-first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SOURCE_ROOT = 0
+SOURCE_DRAFT = 1
+SOURCE_RETRIEVED = 2
+SOURCE_BOTH = SOURCE_DRAFT | SOURCE_RETRIEVED
+
+
+@dataclass
+class HybridTree:
+    """A flattened tree per request, row 0 = the root, padded to ``budget + 1`` rows.
+
+    tokens:   [B, N+1] int64, -1 in padding rows
+    parents:  [B, N+1] int64 row of the parent, -1 for the root and padding
+    depths:   [B, N+1] int64, root 0
+    valid:    [B, N+1] bool
+    source:   [B, N+1] uint8, SOURCE_* bit flags (root 0)
+    ancestor: [B, N+1, N+1] bool, ancestor[b, i, j]: row j is row i or one of its
+              ancestors (the tree attention mask among tree rows)
+    num_nodes: [B] valid rows, the root included
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    valid: torch.Tensor
+    source: torch.Tensor
+    ancestor: torch.Tensor
+    num_nodes: torch.Tensor
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max()) if self.depths.numel() else 0
+
+
+def merge_and_flatten(root_tokens: torch.Tensor,
+                      parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]],
+                      budget: int) -> HybridTree:
+    """Merge candidate subtrees into one tree of at most ``budget`` nodes (+ root).
+
+    root_tokens: [B]
+    parts: in priority order, each ``(tokens [B, n], parents [B, n], depths [B, n],
+           source_flag)``; ``parents`` index into that part (-1 = the root); a token -1
+           marks an invalid candidate, which invalidates its descendants too.
+    """
+    batch = root_tokens.shape[0]
+    device = root_tokens.device
+    tokens = [root_tokens.long().view(batch, 1)]
+    parents = [torch.full((batch, 1), -1, dtype=torch.long, device=device)]
+    depths = [torch.zeros((batch, 1), dtype=torch.long, device=device)]
+    flags = [torch.full((batch, 1), SOURCE_ROOT, dtype=torch.uint8, device=device)]
+    offset = 1
+    for part_tokens, part_parents, part_depths, flag in parts:
+        tokens.append(part_tokens.long())
+        parents.append(torch.where(part_parents >= 0, part_parents + offset, 0))
+        depths.append(part_depths.long())
+        flags.append(torch.full_like(part_tokens, flag, dtype=torch.uint8))
+        offset += part_tokens.shape[1]
+    tokens, parents = torch.cat(tokens, 1), torch.cat(parents, 1)
+    depths, flags = torch.cat(depths, 1), torch.cat(flags, 1)
+    parents[:, 0] = 0  # the root is its own parent while canonicalising
+    n = tokens.shape[1]
+    index = torch.arange(n, device=device)
+
+    # Validity flows down the tree: a candidate needs a valid token and a valid parent.
+    valid = tokens >= 0
+    max_depth = int(depths.max()) if depths.numel() else 0
+    for _ in range(max_depth):
+        valid = valid & valid.gather(1, parents)
+
+    # canon[b, i]: earliest candidate equal to i (same token under the same canonical
+    # parent). Resolved depth by depth, since it needs the parents' canon first.
+    canon = index.expand(batch, n).clone()
+    for depth in range(1, max_depth + 1):
+        at_depth = valid & (depths == depth)
+        canon_parent = canon.gather(1, parents)
+        same = (at_depth[:, :, None] & at_depth[:, None, :]
+                & (tokens[:, :, None] == tokens[:, None, :])
+                & (canon_parent[:, :, None] == canon_parent[:, None, :]))
+        first = same.to(torch.uint8).argmax(dim=2)  # argmax returns the first maximum
+        canon = torch.where(at_depth, first, canon)
+
+    distinct = valid & (canon == index)
+    distinct[:, 0] = True
+    rank = torch.cumsum(distinct.long(), dim=1) - 1  # root gets rank 0
+    kept = distinct & (rank <= budget)
+
+    # source tags: a kept node carries the flags of everything merged into it
+    merged_flags = torch.zeros((batch, n), dtype=torch.uint8, device=device)
+    for flag in (SOURCE_DRAFT, SOURCE_RETRIEVED):
+        has = (valid & (flags == flag)).to(torch.uint8)
+        hit = torch.zeros_like(merged_flags).scatter_reduce(1, canon, has, "amax")
+        merged_flags |= hit * flag
+
+    rows = budget + 1
+    row_of = torch.where(kept, rank, rows)  # dropped candidates go to a scratch row
+    out_tokens = _scatter_rows(tokens, row_of, rows, -1)
+    canon_parent_row = rank.gather(1, canon.gather(1, parents))
+    out_parents = _scatter_rows(canon_parent_row, row_of, rows, -1)
+    out_parents[:, 0] = -1
+    out_depths = _scatter_rows(depths, row_of, rows, 0)
+    out_source = _scatter_rows(merged_flags, row_of, rows, 0)
+    out_source[:, 0] = SOURCE_ROOT
+    out_valid = _scatter_rows(kept.to(torch.uint8), row_of, rows, 0).bool()
+    return HybridTree(
+        tokens=out_tokens,
+        parents=out_parents,
+        depths=out_depths,
+        valid=out_valid,
+        source=out_source,
+        ancestor=ancestor_mask(out_parents, out_valid, int(out_depths.max())),
+        num_nodes=out_valid.sum(dim=1),
+    )
+
+
+def _scatter_rows(values: torch.Tensor, row_of: torch.Tensor, rows: int,
+                  fill: int) -> torch.Tensor:
+    """out[b, row_of[b, i]] = values[b, i], with one extra scratch row dropped at the end."""
+    out = torch.full((values.shape[0], rows + 1), fill, dtype=values.dtype,
+                     device=values.device)
+    out.scatter_(1, row_of, values)
+    return out[:, :rows].contiguous()
+
+
+def ancestor_mask(parents: torch.Tensor, valid: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """[B, N, N] bool: mask[b, i, j] iff row j is row i or an ancestor of it.
+
+    Doubling over the parent pointers: after t rounds every row knows its ancestors up
+    to 2**t levels up, so log2(depth) rounds suffice.
+    """
+    batch, n = parents.shape
+    eye = torch.eye(n, dtype=torch.bool, device=parents.device).expand(batch, n, n)
+    mask = eye.clone()
+    has_parent = parents >= 0
+    mask |= torch.zeros_like(mask).scatter_(
+        2, parents.clamp(min=0).unsqueeze(-1), has_parent.unsqueeze(-1))
+    jump = torch.where(has_parent, parents, torch.arange(n, device=parents.device))
+    reach = 1
+    while reach < max_depth:
+        # mask[i] |= mask[jump[i]]; jump[i] = jump[jump[i]]
+        mask |= mask.gather(1, jump.unsqueeze(-1).expand(batch, n, n))
+        jump = jump.gather(1, jump)
+        reach *= 2
+    return mask & valid[:, :, None] & valid[:, None, :]

@@ -1,0 +1,197 @@
+"""The successor matrix: for every token, the target's top-k likely next tokens.
+
+``M`` is ``[vocab, k]`` int32 on the device; ``-1`` marks an empty entry (a token the
+target has not been seen to follow yet). Retrieval reads it one template level at a
+time (``successor_gather``); after every verification each verified node writes the
+target's top-k at that node into its token's row (``successor_update_``). Both go
+through the compiled ops of ``csrc/`` unless the torch reference is asked for.
+
+Files store only touched rows, so a warmed-up matrix is a few hundred KB rather than
+the 4.9 MB of a full Qwen-vocabulary table, with a format version and a SHA-256 of the
+payload; every load error names the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+
+EMPTY = -1
+FILE_MAGIC = b"GRAFTSM\x00"
+FILE_FORMAT_VERSION = 1
+_HEADER_LEN = struct.Struct("<I")
+
+
+class SuccessorFileError(ValueError):
+    """A successor matrix file is unreadable, corrupt or does not fit the model."""
+
+
+def _ops(backend: str):
+    if backend == "compiled":
+        from vllm_graft import ops
+
+        return ops.successor_gather, ops.successor_update_
+    if backend == "reference":
+        from vllm_graft import ops_reference
+
+        return ops_reference.reference_successor_gather, ops_reference.reference_successor_update_
+    raise ValueError(f"unknown ops backend {backend!r} (expected 'compiled' or 'reference')")
+
+
+class SuccessorMatrix:
+    """Holds ``table`` (``[vocab, k]`` int32) and the ops that read and write it."""
+
+    def __init__(self, table: torch.Tensor, *, backend: str = "compiled", check: bool = True):
+        """``check``: validate ids before each op. The CPU kernels always validate, so
+        this only adds the facade's (device-syncing) check for tables on a GPU."""
+        if table.dtype != torch.int32 or table.dim() != 2 or not table.is_contiguous():
+            raise ValueError(
+                f"successor table must be a contiguous 2-D int32 tensor, got "
+                f"{table.dtype} of shape {tuple(table.shape)}")
+        self.table = table
+        self.backend = backend
+        self.check = check and not table.is_cpu
+        self._gather, self._update = _ops(backend)
+
+    @classmethod
+    def empty(cls, vocab_size: int, k: int = 8, *, device: torch.device | str = "cpu",
+              backend: str = "compiled") -> SuccessorMatrix:
+        if vocab_size < 1 or k < 1:
+            raise ValueError(f"vocab_size and k must be positive, got {vocab_size}, {k}")
+        table = torch.full((vocab_size, k), EMPTY, dtype=torch.int32, device=device)
+        return cls(table, backend=backend)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.table.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.table.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory of the table (151,936 x 8 x 4 B = 4.9 MB for Qwen)."""
+        return self.table.numel() * self.table.element_size()
+
+    def touched_rows(self) -> torch.Tensor:
+        """Ids of tokens whose row holds at least one successor. [num_touched] int64"""
+        return torch.nonzero(self.table[:, 0] != EMPTY).flatten()
+
+    def gather(self, parent_tokens: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+        """``M[parent, rank]`` for one template level of all requests; -1 parents give -1."""
+        if self.backend == "compiled":
+            return self._gather(self.table, parent_tokens, ranks, check=self.check)
+        return self._gather(self.table, parent_tokens, ranks)
+
+    def update_(self, tokens: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """``M[tokens[i]] = next_tokens[i]``; tokens -1 are skipped, the last duplicate wins."""
+        if self.backend == "compiled":
+            self._update(self.table, tokens, next_tokens, check=self.check)
+        else:
+            self._update(self.table, tokens, next_tokens)
+
+    def update_from_logits_(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        """Write the target's top-k at every verified node.
+
+        tokens: [N] node tokens (-1 = padding, skipped); logits: [N, vocab] target logits
+        at those nodes. Padding rows are dropped before the top-k to save the vocab scan.
+        """
+        keep = tokens >= 0
+        tokens, logits = tokens[keep], logits[keep]
+        if tokens.numel() == 0:
+            return
+        next_tokens = torch.topk(logits, self.k, dim=-1, sorted=True).indices
+        self.update_(tokens, next_tokens)
+
+    # ---- persistence ------------------------------------------------------------------
+    def save(self, path: str | os.PathLike, metadata: dict[str, Any] | None = None) -> int:
+        """Write touched rows only; returns the file size in bytes."""
+        rows = self.touched_rows()
+        payload = (rows.to(torch.int32).cpu().numpy().astype("<i4").tobytes()
+                   + self.table[rows].cpu().numpy().astype("<i4").tobytes())
+        header = {
+            "format_version": FILE_FORMAT_VERSION,
+            "vocab_size": self.vocab_size,
+            "k": self.k,
+            "num_rows": int(rows.numel()),
+            "sha256": hashlib.sha256(payload).hexdigest(),
+            "metadata": metadata or {},
+        }
+        header_bytes = json.dumps(header, sort_keys=True).encode()
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(FILE_MAGIC + _HEADER_LEN.pack(len(header_bytes)) + header_bytes + payload)
+        os.replace(tmp, path)  # never leave a half-written matrix behind
+        return path.stat().st_size
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, *, vocab_size: int | None = None,
+             k: int | None = None, device: torch.device | str = "cpu",
+             backend: str = "compiled") -> SuccessorMatrix:
+        """Read a file written by :meth:`save`; checks format, checksum and id ranges.
+
+        ``vocab_size`` / ``k`` given: the file must match them (a matrix warmed on
+        another tokenizer would retrieve nonsense).
+        """
+        table, _ = read_successor_file(path, vocab_size=vocab_size, k=k)
+        return cls(table.to(device), backend=backend)
+
+
+def read_successor_file(path: str | os.PathLike, *, vocab_size: int | None = None,
+                        k: int | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Return ``(table [vocab, k] int32 on CPU, metadata)``; every error names the file."""
+    import numpy as np
+
+    path = Path(path)
+
+    def fail(msg: str) -> SuccessorFileError:
+        return SuccessorFileError(f"successor matrix file {str(path)!r}: {msg}")
+
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise fail(f"cannot be read ({err.strerror or err})") from None
+    prefix = len(FILE_MAGIC) + _HEADER_LEN.size
+    if len(data) < prefix or not data.startswith(FILE_MAGIC):
+        raise fail("not a successor matrix file (bad magic bytes)")
+    (header_len,) = _HEADER_LEN.unpack_from(data, len(FILE_MAGIC))
+    try:
+        header = json.loads(data[prefix:prefix + header_len])
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise fail("header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise fail("header is not a JSON object")
+    version = header.get("format_version")
+    if version != FILE_FORMAT_VERSION:
+        raise fail(f"format_version {version!r} is not supported (expected {FILE_FORMAT_VERSION})")
+    for key in ("vocab_size", "k", "num_rows"):
+        if not isinstance(header.get(key), int) or header[key] < (0 if key == "num_rows" else 1):
+            raise fail(f"header field {key!r} is missing or invalid: {header.get(key)!r}")
+    file_vocab, file_k, num_rows = header["vocab_size"], header["k"], header["num_rows"]
+    if vocab_size is not None and file_vocab != vocab_size:
+        raise fail(f"vocab_size {file_vocab} does not match the model's {vocab_size}")
+    if k is not None and file_k != k:
+        raise fail(f"k {file_k} does not match successor_k {k}")
+    payload = data[prefix + header_len:]
+    expected = 4 * num_rows * (1 + file_k)
+    if len(payload) != expected:
+        raise fail(f"payload has {len(payload)} bytes, header implies {expected} (truncated?)")
+    if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+        raise fail("checksum mismatch: the file is corrupt")
+    rows = np.frombuffer(payload, dtype="<i4", count=num_rows).astype(np.int64)
+    values = np.frombuffer(payload, dtype="<i4", offset=4 * num_rows).reshape(num_rows, file_k)
+    if num_rows and (rows.min() < 0 or rows.max() >= file_vocab or np.any(np.diff(rows) <= 0)):
+        raise fail("row ids must be strictly increasing and inside the vocabulary")
+    if num_rows and (values.min() < EMPTY or values.max() >= file_vocab):
+        raise fail("successor ids outside [-1, vocab_size)")
+    table = torch.full((file_vocab, file_k), EMPTY, dtype=torch.int32)
+    table[torch.from_numpy(rows)] = torch.from_numpy(values.astype(np.int32))
+    return table, header.get("metadata") or {}
