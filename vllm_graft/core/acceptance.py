@@ -104,10 +104,15 @@ def _uniforms(rows: torch.Tensor, count: int, params: SamplingBatch,
 
 
 def accept_tree(tree: HybridTree, target_logits: torch.Tensor, params: SamplingBatch,
-                probs_fn: ProbsFn | None = None) -> AcceptanceResult:
+                probs_fn: ProbsFn | None = None,
+                argmax_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                ) -> AcceptanceResult:
     """Walk every request's tree once; see the module docstring for the rule.
 
     target_logits: [B, N+1, V], row i = target logits after the path to tree row i.
+    probs_fn / argmax_fn: how plain decoding turns logits into a distribution / a greedy
+    token (defaults: :func:`sampling_probs`, ``argmax``); an engine passes its own so
+    that ties and filters resolve exactly as without speculation.
     """
     batch, rows, _ = target_logits.shape
     device = target_logits.device
@@ -142,7 +147,7 @@ def accept_tree(tree: HybridTree, target_logits: torch.Tensor, params: SamplingB
 
         g = greedy[idx]
         if bool(g.any()):
-            target = logits[g].argmax(dim=1)
+            target = argmax_fn(logits[g]) if argmax_fn is not None else logits[g].argmax(dim=1)
             match = children[g] & (child_tokens[g] == target[:, None])
             chosen[g] = torch.where(match.any(1), match.to(torch.uint8).argmax(1), -1)
             emitted[g] = target

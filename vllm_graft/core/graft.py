@@ -29,6 +29,8 @@ class BuildStats:
     stage: [B] checkpoint index where drafting stopped; ``len(checkpoints)`` = drafted to
            full depth; -1 = no drafting (retrieval_only)
     draft_steps: [B] drafter forwards; draft_nodes / retrieved_nodes / both_nodes: [B]
+    retrieval_lookups / retrieval_hits: [B] template nodes looked up in the matrix, and
+           how many found a successor (the matrix hit rate)
     """
 
     stage: torch.Tensor
@@ -36,6 +38,8 @@ class BuildStats:
     draft_nodes: torch.Tensor
     retrieved_nodes: torch.Tensor
     both_nodes: torch.Tensor
+    retrieval_lookups: torch.Tensor
+    retrieval_hits: torch.Tensor
 
 
 class GraftTreeBuilder:
@@ -100,22 +104,28 @@ class GraftTreeBuilder:
             draft = None
             stage = torch.full((batch,), -1, dtype=torch.long, device=self.device)
             steps = torch.zeros(batch, dtype=torch.long, device=self.device)
+        lookups = hits = torch.zeros(batch, dtype=torch.long, device=self.device)
         if self.expander is not None:
             keep = self.retrieval_keep[draft.stage] if draft is not None \
                 else self.retrieval_keep[:1].expand(batch)
             retrieved = self.expander.expand(self.matrix, root_tokens, keep)
             parts.append((retrieved.tokens, retrieved.parents, retrieved.depths,
                           SOURCE_RETRIEVED))
+            lookups = keep.clamp(max=self.expander.size)
+            hits = (retrieved.tokens >= 0).sum(1)
         tree = merge_and_flatten(root_tokens, parts, self.config.budget)
-        return tree, self._stats(tree, stage, steps)
+        return tree, self._stats(tree, stage, steps, lookups, hits)
 
     @staticmethod
-    def _stats(tree: HybridTree, stage: torch.Tensor, steps: torch.Tensor) -> BuildStats:
+    def _stats(tree: HybridTree, stage: torch.Tensor, steps: torch.Tensor,
+               lookups: torch.Tensor, hits: torch.Tensor) -> BuildStats:
         source = tree.source
         valid = tree.valid
         return BuildStats(
             stage=stage,
             draft_steps=steps,
+            retrieval_lookups=lookups,
+            retrieval_hits=hits,
             draft_nodes=(valid & (source & SOURCE_DRAFT).bool()).sum(1),
             retrieved_nodes=(valid & (source == SOURCE_RETRIEVED)).sum(1),
             both_nodes=(valid & (source == (SOURCE_DRAFT | SOURCE_RETRIEVED))).sum(1),

@@ -1,0 +1,162 @@
+"""From ``--speculative-config graft.json`` to what vLLM and the Graft runtime use.
+
+vLLM's ``SpeculativeConfig`` knows no method ``graft`` and forbids extra keys, so the
+user's form
+
+    {"method": "graft", "model": HEAD, "graft": {...}}
+
+is translated before vLLM validates it: vLLM gets an EAGLE-3 config whose
+``num_speculative_tokens`` is the tree budget (so the scheduler reserves a tree's worth
+of slots per request), and the ``graft`` block travels in
+``VllmConfig.additional_config["graft"]`` (part of the config hash, present in every
+process). Everything is validated here, in the front end, so a bad key or a missing
+file stops start-up with a message that names it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_graft.core.calibration import fingerprint_model, load_calibration
+from vllm_graft.core.config import GraftConfig, GraftConfigError
+from vllm_graft.core.successor import read_successor_file
+
+GRAFT_METHOD = "graft"
+ADDITIONAL_CONFIG_KEY = "graft"
+_FILE_KEYS = ("calibration", "warmup")
+
+
+def load_speculative_config_arg(value: str) -> dict[str, Any]:
+    """The value of ``--speculative-config``: inline JSON, or the path of a JSON / YAML
+    file. Relative file paths inside a file are taken relative to that file."""
+    text = value.strip()
+    if text.startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise GraftConfigError(f"--speculative-config: invalid JSON ({err})") from None
+        return _require_mapping(data, "--speculative-config")
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise GraftConfigError(
+            f"--speculative-config: {value!r} is neither inline JSON nor an existing file")
+    try:
+        raw = path.read_text()
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(raw)
+        else:
+            data = json.loads(raw)
+    except (OSError, ValueError) as err:  # JSONDecodeError and YAMLError are ValueErrors
+        raise GraftConfigError(f"speculative config file {str(path)!r}: {err}") from None
+    data = _require_mapping(data, f"speculative config file {str(path)!r}")
+    return _resolve_relative_paths(data, path.parent)
+
+
+def _require_mapping(data: Any, where: str) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise GraftConfigError(f"{where}: must be a JSON object")
+    return data
+
+
+def _resolve_relative_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
+    data = dict(data)
+    graft = data.get("graft")
+    if isinstance(graft, dict):
+        graft = dict(graft)
+        for key in _FILE_KEYS:
+            if isinstance(graft.get(key), str) and not os.path.isabs(graft[key]):
+                graft[key] = str(base / graft[key])
+        data["graft"] = graft
+    model = data.get("model")
+    if isinstance(model, str) and not os.path.isabs(model) and (base / model).exists():
+        data["model"] = str(base / model)
+    return data
+
+
+def is_graft_spec(spec: Any) -> bool:
+    return isinstance(spec, dict) and spec.get("method") == GRAFT_METHOD
+
+
+def translate_speculative_config(spec: dict[str, Any], *, target_model: str | None = None,
+                                 target_vocab_size: int | None = None
+                                 ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split a Graft speculative config into (vLLM's EAGLE-3 config, the graft block).
+
+    Validates the graft block and every file it names; with ``target_model`` /
+    ``target_vocab_size`` known, also checks the calibration and warm-up files fit them.
+    """
+    spec = dict(spec)
+    graft = spec.pop("graft", None)
+    if graft is None:
+        graft = {}
+    if not isinstance(graft, dict):
+        raise GraftConfigError("speculative_config.graft: must be a JSON object")
+    config = GraftConfig.from_dict(graft, where="speculative_config.graft")
+    if not spec.get("model"):
+        raise GraftConfigError(
+            "speculative_config.model: Graft needs the path of an EAGLE-3 head")
+    tokens = spec.get("num_speculative_tokens")
+    if tokens is not None and tokens != config.budget:
+        raise GraftConfigError(
+            f"speculative_config.num_speculative_tokens: set by graft.budget "
+            f"({config.budget}); remove it or make it equal, got {tokens}")
+    for key in _FILE_KEYS:
+        value = getattr(config, key)
+        if value is not None and not Path(value).is_file():
+            raise GraftConfigError(f"speculative_config.graft.{key}: file {value!r} not found")
+    settings = config.model_dump(mode="json", exclude_none=True)
+    for key in _FILE_KEYS:
+        if key in settings:
+            settings[key] = str(Path(settings[key]).resolve())
+    check_files(config, target_model=target_model, drafter_model=spec["model"],
+                target_vocab_size=target_vocab_size)
+    spec.update(method="eagle3", num_speculative_tokens=config.budget)
+    return spec, settings
+
+
+def _local_fingerprint(model: str | None) -> str | None:
+    if model and (Path(model) / "config.json").is_file():
+        return fingerprint_model(model)
+    return None
+
+
+def check_files(config: GraftConfig, *, target_model: str | None, drafter_model: str | None,
+                target_vocab_size: int | None) -> tuple[float, ...] | None:
+    """Validate the calibration and warm-up files; returns calibrated thresholds."""
+    calibrated = None
+    if config.calibration is not None:
+        calibration = load_calibration(
+            config.calibration, config,
+            target_fingerprint=_local_fingerprint(target_model),
+            drafter_fingerprint=_local_fingerprint(drafter_model))
+        calibrated = calibration.thresholds
+    if config.warmup is not None:
+        read_successor_file(config.warmup, vocab_size=target_vocab_size, k=config.successor_k)
+    return calibrated
+
+
+@dataclass(frozen=True)
+class GraftSettings:
+    """What a worker needs: the validated config and the thresholds in force."""
+
+    config: GraftConfig
+    thresholds: tuple[float, ...]
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config) -> GraftSettings | None:
+        raw = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+        if raw is None:
+            return None
+        config = GraftConfig.from_dict(raw, where="additional_config.graft")
+        spec = vllm_config.speculative_config
+        calibrated = check_files(
+            config, target_model=vllm_config.model_config.model,
+            drafter_model=spec.model if spec is not None else None,
+            target_vocab_size=vllm_config.model_config.get_vocab_size())
+        return cls(config=config, thresholds=config.effective_thresholds(calibrated))

@@ -1,0 +1,94 @@
+"""Graft's counters, from the worker to ``/metrics`` and ``LLM.get_metrics()``.
+
+vLLM's own speculative counters stay meaningful for trees (``num_speculative_tokens``
+is the tree budget, so drafts = verified nodes and accepted = accepted path length).
+Graft adds its own, which travel like this:
+
+worker  ``ModelRunnerOutput.graft_stats`` (pickled with the output)
+  -> engine core: the scheduler adds them up and ships them in
+     :class:`GraftSchedulerStats`, a ``SchedulerStats`` with one more declared field
+     (msgspec serialises declared fields only; every process registers the subclass as
+     the type of ``EngineCoreOutputs.scheduler_stats``)
+  -> front end: :class:`GraftPrometheus` counters named ``vllm:graft_<name>_total``,
+     created after vLLM's Prometheus logger has unregistered every ``vllm:`` metric.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, fields
+
+import prometheus_client
+
+from vllm.v1.metrics.stats import SchedulerStats
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+#: name -> help text; the names the worker counts (vllm_graft.vllm.runner)
+GRAFT_COUNTERS = {
+    "trees_built": "Hybrid trees built (one per drafting request per step).",
+    "verified_trees": "Hybrid trees verified by the target.",
+    "verified_nodes": "Tree nodes verified (the root excluded).",
+    "draft_forwards": "Draft-head tree steps run, summed over requests.",
+    "draft_nodes": "Tree nodes proposed by the drafter (merged ones included).",
+    "retrieved_nodes": "Tree nodes proposed by the successor matrix alone.",
+    "merged_nodes": "Retrieved nodes that equalled a drafted sibling.",
+    "retrieval_lookups": "Successor-matrix lookups made for retrieval.",
+    "retrieval_hits": "Lookups that found a successor (matrix hit rate = hits / lookups).",
+    "accepted_draft": "Accepted tokens proposed by the drafter only.",
+    "accepted_retrieved": "Accepted tokens proposed by retrieval only.",
+    "accepted_both": "Accepted tokens proposed by both.",
+    "stage_none": "Trees built without drafting (retrieval_only).",
+    "stage_full": "Trees whose drafting was not pruned.",
+}
+_STAGE_PREFIX = "stage_"
+
+
+@dataclass
+class GraftSchedulerStats(SchedulerStats):
+    graft_stats: dict[str, int] | None = None
+
+
+def with_graft_stats(stats: SchedulerStats | None, counts: Counter) -> SchedulerStats | None:
+    if stats is None or not counts:
+        return stats
+    values = {f.name: getattr(stats, f.name) for f in fields(SchedulerStats)}
+    out = GraftSchedulerStats(**values, graft_stats=dict(counts))
+    counts.clear()
+    return out
+
+
+def counter_help(name: str) -> str:
+    if name in GRAFT_COUNTERS:
+        return GRAFT_COUNTERS[name]
+    if name.startswith(_STAGE_PREFIX):
+        return f"Trees whose drafting stopped at checkpoint {name[len(_STAGE_PREFIX):]}."
+    return f"Graft counter {name}."
+
+
+class GraftPrometheus:
+    """``vllm:graft_*`` counters per engine, created on first sight of each name."""
+
+    def __init__(self, per_engine_labelvalues: dict[int, list[object]]):
+        self.per_engine_labelvalues = per_engine_labelvalues
+        self.counters: dict[str, dict[int, object]] = {}
+
+    def _counter(self, name: str, engine_idx: int):
+        if name not in self.counters:
+            metric = prometheus_client.Counter(
+                name=f"vllm:graft_{name}", documentation=counter_help(name),
+                labelnames=["model_name", "engine"])
+            self.counters[name] = create_metric_per_engine(metric, self.per_engine_labelvalues)
+        return self.counters[name][engine_idx]
+
+    def declare(self, names) -> None:
+        for name in names:
+            for engine_idx in self.per_engine_labelvalues:
+                self._counter(name, engine_idx)
+
+    def observe(self, scheduler_stats, engine_idx: int) -> None:
+        counts = getattr(scheduler_stats, "graft_stats", None)
+        if not counts:
+            return
+        for name, value in counts.items():
+            if value:
+                self._counter(name, engine_idx).inc(value)

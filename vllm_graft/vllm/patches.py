@@ -1,0 +1,269 @@
+"""Every change vllm-graft makes to vLLM 0.32.0, in one ordered list.
+
+Each entry below names the vLLM symbol it patches and why. All runner-side patches are
+inert unless the engine was configured with ``"method": "graft"`` (the runner then has
+a ``_graft_stats`` attribute); the front-end patches only act on Graft configs or add
+Graft's own metrics. :func:`apply_all` is idempotent and runs in every vLLM process
+through the general-plugin entry point.
+
+| # | vLLM symbol | change |
+|---|---|---|
+| 1 | ``engine.arg_utils.EngineArgs.create_speculative_config`` | translate ``method: graft`` |
+| 2 | ``engine.arg_utils.EngineArgs.add_cli_args`` | ``--speculative-config`` takes a file |
+| 3 | ``v1.worker.gpu_model_runner.GPUModelRunner.__init__`` | GraftProposer as drafter |
+| 4 | ``GPUModelRunner.initialize_kv_cache`` | start-up checks of tree attention |
+| 5 | ``GPUModelRunner._update_states`` | forget finished / preempted requests |
+| 6 | ``GPUModelRunner._prepare_inputs`` | tree positions + attention plan |
+| 7 | ``GPUModelRunner._model_forward`` | tree plan active in the target forward |
+| 8 | ``GPUModelRunner._sample`` | lossless tree acceptance, KV move, matrix update |
+| 9 | ``GPUModelRunner._input_fits_in_drafter`` | per-request fit is Graft's job |
+| 10 | ``GPUModelRunner.propose_draft_token_ids`` | catch-up + tree drafting |
+| 11 | ``GPUModelRunner.sample_tokens`` | ship Graft counters with the output |
+| 12 | ``v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward`` | tree mask |
+| 13 | ``v1.core.sched.scheduler.Scheduler.update_from_output`` / ``make_stats`` | sum counters |
+| 14 | ``v1.engine.EngineCoreOutputs`` annotation of ``scheduler_stats`` | carry counters |
+| 15 | ``v1.metrics.loggers.PrometheusStatLogger.__init__`` / ``record`` | export counters |
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections import Counter
+
+from vllm_graft.vllm.patching import Patch, call_original
+
+logger = logging.getLogger(__name__)
+
+
+# ---- 1, 2: configuration ----------------------------------------------------------------
+def _patch_engine_args() -> list[Patch]:
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_graft.vllm.config import (ADDITIONAL_CONFIG_KEY, is_graft_spec,
+                                        load_speculative_config_arg,
+                                        translate_speculative_config)
+
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        spec = self.speculative_config
+        if isinstance(spec, dict):
+            spec = {k.replace("-", "_"): v for k, v in spec.items()}
+        if is_graft_spec(spec):
+            eagle_spec, settings = translate_speculative_config(
+                spec, target_model=target_model_config.model,
+                target_vocab_size=target_model_config.get_vocab_size())
+            self.speculative_config = eagle_spec
+            self.additional_config = {**(self.additional_config or {}),
+                                      ADDITIONAL_CONFIG_KEY: settings}
+            # Tree verification lives in the V1 runner and needs synchronous steps.
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+            self.async_scheduling = False
+        return call_original(EngineArgs, "create_speculative_config")(
+            self, target_model_config, target_parallel_config)
+
+    def spec_config_type(value: str):
+        try:
+            return load_speculative_config_arg(value)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    def add_cli_args(parser, *args, **kwargs):
+        original = Patch.original(EngineArgs, "add_cli_args")
+        original = original.__func__ if isinstance(original, staticmethod) else original
+        parser = original(parser, *args, **kwargs)
+        for action in parser._actions:
+            if "--speculative-config" in action.option_strings:
+                action.type = spec_config_type
+        return parser
+
+    return [Patch("graft.engine_args", EngineArgs, {
+        "create_speculative_config": create_speculative_config,
+        "add_cli_args": staticmethod(add_cli_args),
+    }, must_exist=frozenset({"create_speculative_config", "add_cli_args"}))]
+
+
+# ---- 3-11: the V1 model runner ----------------------------------------------------------
+def _patch_runner() -> list[Patch]:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_graft.vllm import runner as graft_runner
+    from vllm_graft.vllm.config import ADDITIONAL_CONFIG_KEY
+    from vllm_graft.vllm.proposer import GraftProposer
+    from vllm_graft.vllm.tree_attention import (active_plan, check_impl_supported,
+                                                check_kv_layout)
+
+    cls = GPUModelRunner
+
+    def on(self) -> bool:
+        return getattr(self, "_graft_stats", None) is not None
+
+    def __init__(self, vllm_config, device, *args, **kwargs):
+        call_original(cls, "__init__")(self, vllm_config, device, *args, **kwargs)
+        self._graft_stats = None
+        self._graft_step = None
+        if (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY) is None:
+            return
+        if vllm_config.model_config.uses_mrope:
+            raise ValueError("Graft does not support M-RoPE models")
+        self.drafter = GraftProposer(self.vllm_config, self.device, self)
+        self._graft_stats = graft_runner.GraftStats()
+
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
+        out = call_original(cls, "initialize_kv_cache")(self, kv_cache_config, *args, **kwargs)
+        if on(self):
+            if len(kv_cache_config.kv_cache_groups) != 1:
+                raise ValueError("Graft supports models with one KV-cache group (full "
+                                 "attention in every layer)")
+            layers = self.compilation_config.static_forward_context
+            for name, layer in layers.items():
+                impl = getattr(layer, "impl", None)
+                kv_cache = getattr(layer, "kv_cache", None)
+                if impl is None or not hasattr(impl, "do_kv_cache_update"):
+                    continue
+                check_impl_supported(impl)
+                if isinstance(kv_cache, torch_tensor()):
+                    check_kv_layout(impl, layer, kv_cache)
+        return out
+
+    def _update_states(self, scheduler_output, *args, **kwargs):
+        if on(self):
+            gone = set(scheduler_output.finished_req_ids)
+            gone |= set(scheduler_output.preempted_req_ids or ())
+            self.drafter.forget(gone)
+        return call_original(cls, "_update_states")(self, scheduler_output, *args, **kwargs)
+
+    def _prepare_inputs(self, scheduler_output, *args, **kwargs):
+        out = call_original(cls, "_prepare_inputs")(self, scheduler_output, *args, **kwargs)
+        if on(self):
+            self._graft_step = graft_runner.prepare_tree_verification(self, scheduler_output)
+        return out
+
+    def _model_forward(self, *args, **kwargs):
+        step = self._graft_step if on(self) else None
+        plan = step.plan if step is not None else None
+        if plan is None:
+            return call_original(cls, "_model_forward")(self, *args, **kwargs)
+        with active_plan(plan):
+            return call_original(cls, "_model_forward")(self, *args, **kwargs)
+
+    def _sample(self, logits, spec_decode_metadata):
+        if on(self) and spec_decode_metadata is not None:
+            return graft_runner.sample_with_trees(self, logits, spec_decode_metadata)
+        return call_original(cls, "_sample")(self, logits, spec_decode_metadata)
+
+    def _input_fits_in_drafter(self, common_attn_metadata):
+        if on(self):
+            return True
+        return call_original(cls, "_input_fits_in_drafter")(self, common_attn_metadata)
+
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
+                                hidden_states, sample_hidden_states, aux_hidden_states,
+                                *args, **kwargs):
+        if on(self):
+            return graft_runner.propose_with_trees(self, scheduler_output, sampled_token_ids,
+                                                   aux_hidden_states or [hidden_states])
+        return call_original(cls, "propose_draft_token_ids")(
+            self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
+            sample_hidden_states, aux_hidden_states, *args, **kwargs)
+
+    def sample_tokens(self, *args, **kwargs):
+        output = call_original(cls, "sample_tokens")(self, *args, **kwargs)
+        if on(self) and output is not None:
+            counts = self._graft_stats.take()
+            if counts:
+                output.graft_stats = counts
+        return output
+
+    names = ["__init__", "initialize_kv_cache", "_update_states", "_prepare_inputs",
+             "_model_forward", "_sample", "_input_fits_in_drafter", "propose_draft_token_ids",
+             "sample_tokens"]
+    local = locals()
+    return [Patch("graft.runner", cls, {name: local[name] for name in names},
+                  must_exist=frozenset(names))]
+
+
+def torch_tensor():
+    import torch
+
+    return torch.Tensor
+
+
+# ---- 12: tree attention on the CPU backend ----------------------------------------------
+def _patch_cpu_attention() -> list[Patch]:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    from vllm_graft.vllm.tree_attention import tree_attention_forward
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                *args, **kwargs):
+        original = call_original(CPUAttentionBackendImpl, "forward")
+        return tree_attention_forward(original, self, layer, query, key, value, kv_cache,
+                                      attn_metadata, output, *args, **kwargs)
+
+    return [Patch("graft.cpu_attention", CPUAttentionBackendImpl, {"forward": forward},
+                  must_exist=frozenset({"forward", "do_kv_cache_update"}))]
+
+
+# ---- 13-15: metrics ---------------------------------------------------------------------
+def _patch_metrics() -> list[Patch]:
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    from vllm_graft.vllm.config import ADDITIONAL_CONFIG_KEY
+    from vllm_graft.vllm.metrics import (GRAFT_COUNTERS, GraftPrometheus,
+                                         GraftSchedulerStats, with_graft_stats)
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        counts = getattr(model_runner_output, "graft_stats", None)
+        if counts:
+            self.__dict__.setdefault("_graft_counts", Counter()).update(counts)
+        return call_original(Scheduler, "update_from_output")(
+            self, scheduler_output, model_runner_output)
+
+    def make_stats(self, *args, **kwargs):
+        stats = call_original(Scheduler, "make_stats")(self, *args, **kwargs)
+        return with_graft_stats(stats, self.__dict__.get("_graft_counts", Counter()))
+
+    def prometheus_init(self, vllm_config, *args, **kwargs):
+        call_original(PrometheusStatLogger, "__init__")(self, vllm_config, *args, **kwargs)
+        self.graft_prom = None
+        graft = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+        if graft is not None:
+            self.graft_prom = GraftPrometheus(self.per_engine_labelvalues)
+            stages = [f"stage_{cp}" for cp in graft.get("checkpoints", (0, 1, 5))]
+            self.graft_prom.declare([*GRAFT_COUNTERS, *stages])
+
+    def prometheus_record(self, scheduler_stats, *args, **kwargs):
+        call_original(PrometheusStatLogger, "record")(self, scheduler_stats, *args, **kwargs)
+        if getattr(self, "graft_prom", None) is not None and scheduler_stats is not None:
+            engine_idx = kwargs.get("engine_idx", args[2] if len(args) > 2 else 0)
+            self.graft_prom.observe(scheduler_stats, engine_idx)
+
+    annotations = {"scheduler_stats": GraftSchedulerStats | None}
+    return [
+        Patch("graft.scheduler_stats", Scheduler,
+              {"update_from_output": update_from_output, "make_stats": make_stats},
+              must_exist=frozenset({"update_from_output", "make_stats"})),
+        Patch("graft.core_outputs", EngineCoreOutputs,
+              {"__annotations__": {**EngineCoreOutputs.__annotations__, **annotations}},
+              must_exist=frozenset({"__annotations__"})),
+        Patch("graft.prometheus", PrometheusStatLogger,
+              {"__init__": prometheus_init, "record": prometheus_record},
+              must_exist=frozenset({"__init__", "record"})),
+    ]
+
+
+def all_patches() -> list[Patch]:
+    """Every patch, in the order they are applied."""
+    return [*_patch_engine_args(), *_patch_runner(), *_patch_cpu_attention(),
+            *_patch_metrics()]
+
+
+def apply_all() -> int:
+    """Apply every patch not yet applied in this process; returns how many were new."""
+    applied = sum(patch.apply() for patch in all_patches())
+    if applied:
+        logger.info("vllm-graft: applied %d patch groups to vLLM", applied)
+    return applied

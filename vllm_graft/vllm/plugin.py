@@ -1,0 +1,21 @@
+"""The ``vllm.general_plugins`` entry point (``graft``).
+
+vLLM calls :func:`register` in every process it starts (front end, engine core,
+workers, Ray workers), so installing vllm-graft is all a user does. The guards run
+first: a vLLM release other than the supported one is refused with both versions named.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+
+def register() -> None:
+    from vllm_graft.vllm.version import check_vllm_version
+
+    check_vllm_version()
+    from vllm_graft.vllm.patches import apply_all
+
+    apply_all()

@@ -1,0 +1,327 @@
+"""GraftProposer: vLLM's EAGLE proposer, drafting Graft hybrid trees.
+
+One drafting round per engine step, for the whole batch:
+
+1. **Catch-up.** The EAGLE-3 head runs once, causally, over every position the target
+   settled this step (a prefill chunk, or the root plus the accepted tree path), with
+   inputs shifted by one token as EAGLE does (row at position ``p`` holds token
+   ``p + 1`` and the target's fused hidden state at ``p``). This writes the head's KV
+   for those positions and yields, at each request's last row, the distribution of the
+   root's children.
+2. **Tree steps.** :class:`vllm_graft.core.graft.GraftTreeBuilder` drives the head
+   through :meth:`_expand`: each step feeds the frontier nodes of all still-active
+   requests as one batch; a node at depth ``d`` is fed at position ``root + d - 1``
+   with its parent row's pre-norm hidden state, and attends to the cached prefix plus
+   its ancestors' rows (tree attention; those rows' K/V stay in a
+   :class:`~vllm_graft.vllm.tree_attention.TreeKVStore`, not in the paged cache).
+   Calibrated pruning stops unsure requests early; retrieval fills the freed slots.
+3. The flattened trees go to the scheduler as each request's draft tokens, and are
+   kept (by request id) for the next step's verification.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm.forward_context import set_forward_context
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.spec_decode.eagle import EagleProposer
+
+from vllm_graft.core.draft_tree import DraftStep
+from vllm_graft.core.graft import BuildStats, GraftTreeBuilder
+from vllm_graft.core.hybrid import HybridTree
+from vllm_graft.core.successor import SuccessorMatrix
+from vllm_graft.vllm.config import GraftSettings
+from vllm_graft.vllm.sampling import plain_decoding_reason
+from vllm_graft.vllm.tree_attention import (TreeAttentionPlan, TreeKVStore, TreeRequestPlan,
+                                            active_plan)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PendingTree:
+    """A tree sent to the scheduler, waiting for verification (CPU tensors, root first)."""
+
+    tokens: torch.Tensor  # [n] int64
+    parents: torch.Tensor  # [n]
+    depths: torch.Tensor  # [n]
+    source: torch.Tensor  # [n] uint8
+
+    def truncated(self, rows: int) -> PendingTree:
+        return PendingTree(self.tokens[:rows], self.parents[:rows], self.depths[:rows],
+                           self.source[:rows])
+
+
+@dataclass
+class SettledRows:
+    """Per request: the target rows whose positions became final this step.
+
+    rows: flattened-batch rows in position order; next_tokens: the token at position
+    + 1 of each row (the drafter's input); first_position: position of rows[0]."""
+
+    batch_row: int
+    rows: list[int]
+    next_tokens: list[int]
+    first_position: int
+    drafts: bool  # whether this request gets a new tree
+
+
+class GraftProposer(EagleProposer):
+    """EAGLE-3 head + successor matrix -> one hybrid tree per request per step."""
+
+    def __init__(self, vllm_config, device, runner=None):
+        super().__init__(vllm_config, device, runner)
+        settings = GraftSettings.from_vllm_config(vllm_config)
+        if settings is None:
+            raise ValueError("GraftProposer needs additional_config['graft']")
+        self.settings = settings
+        config = settings.config
+        vocab_size = vllm_config.model_config.get_vocab_size()
+        if config.warmup is not None:
+            matrix = SuccessorMatrix.load(config.warmup, vocab_size=vocab_size,
+                                          k=config.successor_k, device=device,
+                                          backend=config.ops_backend)
+        else:
+            matrix = SuccessorMatrix.empty(vocab_size, config.successor_k, device=device,
+                                           backend=config.ops_backend)
+        self.tree_builder = GraftTreeBuilder(config, matrix, settings.thresholds, device)
+        self.pending: dict[str, PendingTree] = {}
+        self.last_build: BuildStats | None = None
+        self.max_model_len = vllm_config.model_config.max_model_len
+
+    @property
+    def matrix(self) -> SuccessorMatrix:
+        return self.tree_builder.matrix
+
+    # ---- vLLM hooks -----------------------------------------------------------------
+    def dummy_run(self, num_tokens: int, *args, **kwargs) -> None:
+        """One forward is enough to warm the head up (vLLM's loops once per draft token,
+        60 times for a 60-node budget)."""
+        saved = self.num_speculative_tokens
+        self.num_speculative_tokens = 1
+        try:
+            super().dummy_run(num_tokens, *args, **kwargs)
+        finally:
+            self.num_speculative_tokens = saved
+
+    def forget(self, req_ids) -> None:
+        for req_id in req_ids:
+            self.pending.pop(req_id, None)
+
+    # ---- one drafting round -----------------------------------------------------------
+    @torch.inference_mode()
+    def propose_trees(self, runner, scheduler_output, settled: list[SettledRows],
+                      aux_hidden_states: list[torch.Tensor]) -> list[list[int]]:
+        """Run catch-up and tree drafting; returns drafts in persistent-batch order."""
+        req_ids = runner.input_batch.req_ids
+        drafts: list[list[int]] = [[] for _ in req_ids]
+        self.last_build = None
+        if not settled:
+            return drafts
+        catchup = self._catch_up(runner, settled, aux_hidden_states)
+        drafting = [i for i, s in enumerate(settled) if s.drafts]
+        if not drafting:
+            return drafts
+        last_rows, last_hidden, prenorm = catchup
+        index = torch.tensor(drafting, dtype=torch.long)
+        roots = torch.tensor([settled[i].next_tokens[-1] for i in drafting], dtype=torch.long)
+        root_positions = torch.tensor(
+            [settled[i].first_position + len(settled[i].rows) for i in drafting])
+        block_table = self._block_table(runner)
+        batch_rows = torch.tensor([settled[i].batch_row for i in drafting], dtype=torch.long)
+        expander = _TreeExpansion(
+            self, root_logprobs=self._top_k(last_hidden[last_rows[index]]),
+            root_hidden=prenorm[last_rows[index]], root_positions=root_positions,
+            block_tables=block_table[batch_rows])
+        tree, stats = self.tree_builder.build(roots.to(self.device), expander)
+        self.last_build = stats
+        tree = _to_cpu(tree)
+        for t, i in enumerate(drafting):
+            req_id = req_ids[settled[i].batch_row]
+            n = int(tree.num_nodes[t])
+            pending = PendingTree(tree.tokens[t, :n].clone(), tree.parents[t, :n].clone(),
+                                  tree.depths[t, :n].clone(), tree.source[t, :n].clone())
+            self.pending[req_id] = pending
+            drafts[settled[i].batch_row] = pending.tokens[1:].tolist()
+        return drafts
+
+    def may_draft(self, req_state, root_position: int) -> bool:
+        """A tree needs its rows to fit in the model's context and plain sampling rules."""
+        if root_position + self.settings.config.budget + 1 > self.max_model_len:
+            return False
+        return plain_decoding_reason(req_state.sampling_params,
+                                     len(req_state.output_token_ids)) is None
+
+    def _block_table(self, runner) -> torch.Tensor:
+        num_reqs = runner.input_batch.num_reqs
+        return runner.input_batch.block_table[self.kv_cache_gid].get_device_tensor(num_reqs)
+
+    def _catch_up(self, runner, settled: list[SettledRows],
+                  aux_hidden_states: list[torch.Tensor]):
+        """Causal head forward over every settled position; returns (last row of each
+        request in the catch-up batch, post-norm hidden, pre-norm hidden)."""
+        rows = torch.tensor([r for s in settled for r in s.rows], dtype=torch.long,
+                            device=self.device)
+        counts = np.array([len(s.rows) for s in settled], dtype=np.int32)
+        input_ids = torch.tensor([t for s in settled for t in s.next_tokens],
+                                 dtype=torch.int32, device=self.device)
+        positions = torch.cat([torch.arange(s.first_position, s.first_position + len(s.rows))
+                               for s in settled]).to(self.device)
+        target_hidden = torch.cat([h[rows] for h in aux_hidden_states], dim=-1) \
+            if self.eagle3_use_aux_hidden_state else aux_hidden_states[-1][rows]
+        hidden = self.model.combine_hidden_states(target_hidden)
+
+        batch_rows = torch.tensor([s.batch_row for s in settled], dtype=torch.long)
+        block_table = self._block_table(runner)[batch_rows.to(self.device)]
+        block_size = self.block_size
+        req_of_row = torch.from_numpy(np.repeat(np.arange(len(settled)), counts)).to(self.device)
+        slot_mapping = (block_table[req_of_row, positions // block_size].long() * block_size
+                        + positions % block_size)
+        query_start = np.zeros(len(settled) + 1, dtype=np.int32)
+        np.cumsum(counts, out=query_start[1:])
+        seq_lens = np.array([s.first_position + len(s.rows) for s in settled], dtype=np.int32)
+        common = CommonAttentionMetadata(
+            query_start_loc=torch.from_numpy(query_start).to(self.device),
+            query_start_loc_cpu=torch.from_numpy(query_start),
+            seq_lens=torch.from_numpy(seq_lens).to(self.device),
+            num_reqs=len(settled),
+            num_actual_tokens=int(counts.sum()),
+            max_query_len=int(counts.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_table_tensor=block_table,
+            slot_mapping=slot_mapping,
+            causal=True,
+            positions=positions,
+            seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens),
+        )
+        metadata = {}
+        for group in self.draft_attn_groups:
+            built = group.build_metadata_for_drafting(common, draft_index=0)
+            for name in group.layer_names:
+                metadata[name] = built
+        with set_forward_context(metadata, self.vllm_config, num_tokens=int(counts.sum()),
+                                 slot_mapping={name: slot_mapping
+                                               for name in self._draft_attn_layer_names}):
+            last_hidden, prenorm = self.model(input_ids=input_ids, positions=positions,
+                                              hidden_states=hidden, inputs_embeds=None)
+        last_rows = torch.from_numpy(query_start[1:].astype(np.int64) - 1).to(self.device)
+        return last_rows, last_hidden, prenorm
+
+    def _top_k(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k log-probs of the head over its (possibly reduced) vocabulary, with the
+        ids mapped to the target vocabulary."""
+        logits = self.model.logits_processor(self.model.lm_head, hidden)
+        logprobs = logits.float().log_softmax(dim=-1)
+        values, ids = logprobs.topk(self.settings.config.top_k, dim=-1)
+        offsets = getattr(self.model, "draft_id_to_target_id", None)
+        if offsets is not None:
+            ids = ids + offsets[ids]
+        return values, ids
+
+
+class _TreeExpansion:
+    """The drafter callback of :class:`GraftTreeBuilder` for one round (see module doc).
+
+    Keeps, for every expanded node (a pool slot), the row of its forward in the head's
+    K/V store and its pre-norm output, which its children take as their hidden input.
+    """
+
+    def __init__(self, proposer: GraftProposer, *, root_logprobs, root_hidden,
+                 root_positions: torch.Tensor, block_tables: torch.Tensor):
+        self.proposer = proposer
+        self.root_logprobs = root_logprobs  # ([D, top_k], [D, top_k])
+        self.root_hidden = root_hidden  # [D, H]
+        self.root_positions = root_positions.to(proposer.device)  # [D]
+        self.block_tables = block_tables  # [D, max_blocks]
+        self.store = TreeKVStore()
+        self.hidden_rows: list[torch.Tensor] = []  # pre-norm outputs, store row order
+        self.row_of_slot: torch.Tensor | None = None  # [D, pool] store row or -1
+        self.expanded: list[torch.Tensor] = []  # per step: [D, W] expanded slots
+
+    def __call__(self, step: DraftStep) -> tuple[torch.Tensor, torch.Tensor]:
+        if step.step == 0:
+            values, ids = self.root_logprobs
+            return values[step.active].unsqueeze(1), ids[step.active].unsqueeze(1)
+        return self._expand(step)
+
+    def _expand(self, step: DraftStep) -> tuple[torch.Tensor, torch.Tensor]:
+        proposer = self.proposer
+        device = proposer.device
+        active, slots = step.active, step.node_ids  # [A], [A, W]
+        num_active, width = slots.shape
+        pool = step.pool
+        if self.row_of_slot is None:
+            self.row_of_slot = torch.full(pool.tokens.shape, -1, dtype=torch.long, device=device)
+        parents = pool.parents[active].gather(1, slots)  # [A, W]
+        depths = pool.depths[active].gather(1, slots)
+        tokens = step.tokens.clamp(min=0)
+        positions = (self.root_positions[active].unsqueeze(1) + depths - 1).reshape(-1)
+
+        # hidden input: the pre-norm output of the row that proposed each node
+        parent_rows = torch.where(parents >= 0,
+                                  self.row_of_slot[active].gather(1, parents.clamp(min=0)), -1)
+        hidden = self.root_hidden[active].unsqueeze(1).expand(-1, width, -1).clone()
+        if self.hidden_rows:
+            all_hidden = torch.cat(self.hidden_rows)
+            has = parent_rows >= 0
+            hidden[has] = all_hidden[parent_rows[has]]
+
+        # context: this request's earlier expansion rows that are ancestors of the node
+        first_new_row = self.store.num_rows
+        plans = []
+        ancestors = _ancestor_slots(pool.parents[active], slots, int(depths.max()))
+        for a in range(num_active):
+            b = int(active[a])
+            if self.expanded:
+                ctx_slots = torch.cat([e[b] for e in self.expanded])  # [C]
+                ctx_rows = self.row_of_slot[b, ctx_slots]
+                visible_ctx = (ancestors[a].unsqueeze(-1) == ctx_slots).any(dim=1)  # [W, C]
+            else:
+                ctx_rows = torch.empty(0, dtype=torch.long, device=device)
+                visible_ctx = torch.zeros((width, 0), dtype=torch.bool, device=device)
+            mask = torch.cat([visible_ctx, torch.eye(width, dtype=torch.bool, device=device)], 1)
+            plans.append(TreeRequestPlan(
+                query_start=a * width, num_rows=width,
+                prefix_len=int(self.root_positions[b]), block_table=self.block_tables[b],
+                mask=mask, context_rows=ctx_rows))
+        plan = TreeAttentionPlan(requests=plans, store=self.store, replace_all=True,
+                                 store_rows=torch.arange(num_active * width, device=device))
+        with active_plan(plan), set_forward_context(
+                {name: None for name in proposer._draft_attn_layer_names},
+                proposer.vllm_config, num_tokens=num_active * width, slot_mapping={}):
+            last_hidden, prenorm = proposer.model(
+                input_ids=tokens.reshape(-1).to(torch.int32), positions=positions,
+                hidden_states=hidden.reshape(num_active * width, -1), inputs_embeds=None)
+        self.store.num_rows += num_active * width
+        self.hidden_rows.append(prenorm)
+        new_rows = torch.arange(first_new_row, first_new_row + num_active * width,
+                                device=device).view(num_active, width)
+        self.row_of_slot[active.unsqueeze(1), slots] = new_rows
+        expanded = torch.full((self.row_of_slot.shape[0], width), -1, dtype=torch.long,
+                              device=device)
+        expanded[active] = slots
+        self.expanded.append(expanded)
+        values, ids = proposer._top_k(last_hidden)
+        k = values.shape[-1]
+        return values.view(num_active, width, k), ids.view(num_active, width, k)
+
+
+def _ancestor_slots(parents: torch.Tensor, slots: torch.Tensor, depth: int) -> torch.Tensor:
+    """[A, W, depth]: pool slots of each node's strict ancestors (-1 beyond the root)."""
+    out = []
+    current = slots
+    for _ in range(depth):
+        current = torch.where(current >= 0, parents.gather(1, current.clamp(min=0)), -1)
+        out.append(current)
+    return torch.stack(out, dim=-1) if out else slots.new_empty(slots.shape + (0,))
+
+
+def _to_cpu(tree: HybridTree) -> HybridTree:
+    return HybridTree(**{name: getattr(tree, name).cpu() for name in
+                         ("tokens", "parents", "depths", "valid", "source", "ancestor",
+                          "num_nodes")})

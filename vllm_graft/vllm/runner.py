@@ -1,0 +1,303 @@
+"""Tree verification inside vLLM's V1 model runner.
+
+The patches in :mod:`vllm_graft.vllm.patches` call into this module at four points of
+a runner step:
+
+* after ``_prepare_inputs``: :func:`prepare_tree_verification` recognises the requests
+  whose scheduled drafts are the tree Graft proposed last step, gives each tree row the
+  position ``prefix + depth`` (after vLLM computed slots from the linear positions, so
+  every row keeps its own KV slot), and builds the tree attention plan;
+* around the target forward: the plan is active (:func:`target_forward_plan`);
+* instead of the rejection sampler: :func:`sample_with_trees` runs lossless tree
+  acceptance, moves the accepted rows' KV into contiguous slots in every layer, and
+  lets every verified row teach the successor matrix;
+* instead of the EAGLE drafting call: :func:`propose_with_trees`.
+
+The output keeps vLLM's contract: ``[batch, max_len]`` sampled ids padded with -1, so
+the scheduler rolls back exactly the rejected rows.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm.v1.outputs import SamplerOutput
+
+from vllm_graft.core.acceptance import AcceptanceResult, accept_tree
+from vllm_graft.core.graft import accepted_by_source
+from vllm_graft.core.hybrid import HybridTree, ancestor_mask
+from vllm_graft.vllm.proposer import GraftProposer, PendingTree, SettledRows
+from vllm_graft.vllm.sampling import greedy_argmax, sampling_batch, vllm_probs_fn
+from vllm_graft.vllm.tree_attention import TreeAttentionPlan, TreeKVStore, TreeRequestPlan
+
+
+@dataclass
+class VerifiedTree:
+    req_id: str
+    batch_row: int
+    query_start: int  # first row (the root) in the flattened batch
+    prefix_len: int  # position of the root
+    tree: PendingTree  # truncated to the scheduled rows
+
+
+@dataclass
+class GraftStep:
+    """One runner step's tree verification."""
+
+    trees: list[VerifiedTree]
+    plan: TreeAttentionPlan | None
+    store: TreeKVStore
+    result: AcceptanceResult | None = None  # rows follow ``trees``
+
+
+@dataclass
+class GraftStats:
+    """Counters accumulated by the worker and shipped with each ModelRunnerOutput."""
+
+    counts: Counter = field(default_factory=Counter)
+
+    def take(self) -> dict[str, int]:
+        out = dict(self.counts)
+        self.counts.clear()
+        return out
+
+
+def prepare_tree_verification(runner, scheduler_output) -> GraftStep | None:
+    proposer: GraftProposer = runner.drafter
+    batch = runner.input_batch
+    trees: list[VerifiedTree] = []
+    for row, req_id in enumerate(batch.req_ids):
+        drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+        pending = proposer.pending.pop(req_id, None)
+        if not drafts or pending is None:
+            continue
+        rows = len(drafts) + 1
+        if rows > pending.tokens.numel() or pending.tokens[1:rows].tolist() != list(drafts):
+            continue  # not our tree (e.g. padding after a resume): plain rejection of all
+        trees.append(VerifiedTree(
+            req_id=req_id, batch_row=row,
+            query_start=int(runner.query_start_loc.np[row]),
+            prefix_len=int(batch.num_computed_tokens_cpu[row]),
+            tree=pending.truncated(rows)))
+    if not trees:
+        return GraftStep(trees=[], plan=None, store=TreeKVStore())
+
+    block_table = batch.block_table[proposer.kv_cache_gid].get_device_tensor(batch.num_reqs)
+    store = TreeKVStore()
+    requests, store_rows = [], []
+    for t in trees:
+        n = t.tree.tokens.numel()
+        rows = torch.arange(t.query_start, t.query_start + n, device=runner.positions.device)
+        runner.positions[rows] = t.prefix_len + t.tree.depths.to(runner.positions.device)
+        mask = ancestor_mask(t.tree.parents.view(1, -1), torch.ones(1, n, dtype=torch.bool),
+                             int(t.tree.depths.max()))[0]
+        requests.append(TreeRequestPlan(
+            query_start=t.query_start, num_rows=n, prefix_len=t.prefix_len,
+            block_table=block_table[t.batch_row], mask=mask.to(runner.device)))
+        store_rows.append(rows)
+    plan = TreeAttentionPlan(requests=requests, store=store,
+                             store_rows=torch.cat(store_rows).to(runner.device))
+    return GraftStep(trees=trees, plan=plan, store=store)
+
+
+def _tree_batch(trees: list[VerifiedTree], device) -> HybridTree:
+    rows = max(t.tree.tokens.numel() for t in trees)
+
+    def pad(values, fill):
+        out = torch.full((len(trees), rows), fill, dtype=values[0].dtype)
+        for i, v in enumerate(values):
+            out[i, :v.numel()] = v
+        return out.to(device)
+
+    tokens = pad([t.tree.tokens for t in trees], -1)
+    parents = pad([t.tree.parents for t in trees], -1)
+    depths = pad([t.tree.depths for t in trees], 0)
+    source = pad([t.tree.source for t in trees], 0)
+    valid = tokens >= 0
+    return HybridTree(tokens=tokens, parents=parents, depths=depths, valid=valid,
+                      source=source,
+                      ancestor=ancestor_mask(parents, valid, int(depths.max())),
+                      num_nodes=valid.sum(1))
+
+
+def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> SamplerOutput:
+    """Replacement of ``GPUModelRunner._sample`` when Graft is on (never vLLM's chain
+    rejection sampler, whose CPU path is not lossless in vLLM 0.32)."""
+    step: GraftStep = runner._graft_step
+    proposer: GraftProposer = runner.drafter
+    stats: GraftStats = runner._graft_stats
+    sampling_metadata = runner.input_batch.sampling_metadata
+    num_sampled = torch.as_tensor(spec_decode_metadata.num_draft_tokens,
+                                  device=logits.device) + 1
+    starts = torch.cumsum(num_sampled, 0) - num_sampled  # first logits row per request
+    batch = num_sampled.numel()
+
+    # every request's root row through vLLM's own sampler (all features, exact)
+    base = runner.sampler(logits=logits[starts], sampling_metadata=sampling_metadata)
+    first = base.sampled_token_ids.view(-1).long()
+
+    trees = step.trees if step is not None else []
+    width = 1 + max((int(t.tree.depths.max()) for t in trees), default=0)
+    output = torch.full((batch, width), -1, dtype=torch.long, device=logits.device)
+    output[:, 0] = first
+    logits_rows = starts.unsqueeze(1).expand(batch, width).clone()  # row producing each token
+    if trees:
+        tree = _tree_batch(trees, logits.device)
+        batch_rows = torch.tensor([t.batch_row for t in trees], device=logits.device)
+        tree_rows = starts[batch_rows].unsqueeze(1) + torch.arange(
+            tree.tokens.shape[1], device=logits.device)
+        tree_rows = torch.where(tree.valid, tree_rows, starts[batch_rows].unsqueeze(1))
+        tree_logits = logits[tree_rows]  # [T, N+1, V] (a copy)
+        params = sampling_batch(sampling_metadata, batch_rows)
+        result = accept_tree(tree, tree_logits, params, probs_fn=vllm_probs_fn(params),
+                             argmax_fn=greedy_argmax)
+        step.result = result
+        out_tokens = result.output_tokens[:, :width]
+        output[batch_rows] = torch.nn.functional.pad(
+            out_tokens, (0, width - out_tokens.shape[1]), value=-1)
+        path = torch.cat([torch.zeros_like(result.accepted_rows[:, :1]),
+                          result.accepted_rows], dim=1)[:, :width]
+        path_rows = starts[batch_rows].unsqueeze(1) + path.clamp(min=0)
+        logits_rows[batch_rows] = torch.nn.functional.pad(
+            path_rows, (0, width - path_rows.shape[1]), value=0)
+        _move_accepted_kv(runner, step, result)
+        stats.counts["verified_trees"] += len(trees)
+        stats.counts["verified_nodes"] += int(tree.num_nodes.sum()) - len(trees)
+        for source, n in accepted_by_source(tree, result).items():
+            stats.counts[f"accepted_{source}"] += n
+    _learn(runner, logits, spec_decode_metadata, starts, trees)
+    logprobs = None
+    if sampling_metadata.max_num_logprobs is not None:
+        logprobs = _path_logprobs(runner, logits, logits_rows, output,
+                                  sampling_metadata.max_num_logprobs)
+    return SamplerOutput(sampled_token_ids=output.to(torch.int32), logprobs_tensors=logprobs)
+
+
+def _learn(runner, logits, spec_decode_metadata, starts, trees) -> None:
+    """Every verified row teaches the successor matrix: all rows of each tree, and the
+    sampled row of every other request (its decode or last prefill row). One update in
+    persistent-batch order, so the last-writer rule is the same on every rank."""
+    tree_of_row = {t.batch_row: t for t in trees}
+    input_ids = runner.input_ids.gpu
+    rows, tokens = [], []
+    for b in range(starts.numel()):
+        verified = tree_of_row.get(b)
+        if verified is not None:
+            n = verified.tree.tokens.numel()
+            rows.append(starts[b] + torch.arange(n, device=starts.device))
+            tokens.append(verified.tree.tokens.to(starts.device))
+        else:
+            row = starts[b:b + 1]
+            rows.append(row)
+            tokens.append(input_ids[spec_decode_metadata.logits_indices[row]].long())
+    rows = torch.cat(rows)
+    runner.drafter.matrix.update_from_logits_(torch.cat(tokens), logits[rows])
+
+
+def _path_logprobs(runner, logits, logits_rows, output, max_num_logprobs):
+    """Raw target logprobs at the row that produced each emitted token, as plain
+    decoding reports them (padding entries are dropped by vLLM's parse_output)."""
+    rows = logits_rows.reshape(-1)
+    raw = logits[rows].float()
+    if runner.sampler.logprobs_mode == "raw_logprobs":
+        raw = raw.log_softmax(dim=-1)
+    tokens = output.reshape(-1).clamp(min=0)
+    if max_num_logprobs == -1:
+        from vllm.v1.outputs import LogprobsTensors
+
+        return LogprobsTensors(torch.empty(0), raw, torch.empty(0))
+    return runner.sampler.gather_logprobs(raw, max_num_logprobs, token_ids=tokens)
+
+
+def _move_accepted_kv(runner, step: GraftStep, result: AcceptanceResult) -> None:
+    """Copy the accepted rows' K/V (kept from the forward) to positions
+    ``prefix + 1 .. prefix + L`` in every target layer, so the cache is what a chain of
+    the same tokens would have left; RoPE already used those positions."""
+    sources, destinations = [], []
+    offset = 0
+    block_table = runner.input_batch.block_table[runner.drafter.kv_cache_gid]
+    table = block_table.get_device_tensor(runner.input_batch.num_reqs)
+    block_size = block_table.block_size
+    for t, verified in enumerate(step.trees):
+        count = int(result.num_accepted[t])
+        if count:
+            rows = result.accepted_rows[t, :count]
+            positions = verified.prefix_len + torch.arange(1, count + 1, device=rows.device)
+            slots = (table[verified.batch_row, positions // block_size].long() * block_size
+                     + positions % block_size)
+            sources.append(rows + offset)
+            destinations.append(slots)
+        offset += verified.tree.tokens.numel()
+    if not sources:
+        return
+    src = torch.cat(sources)
+    dst = torch.cat(destinations)
+    for name, layer in step.store.layers.items():
+        keys, values = step.store.rows(name, src)
+        layer.impl.do_kv_cache_update(layer, keys, values, layer.kv_cache, dst)
+
+
+def settled_rows(runner, scheduler_output, sampled: torch.Tensor, step: GraftStep | None
+                 ) -> list[SettledRows]:
+    """For every request, the rows whose positions became final this step, with the
+    tokens that follow them (the drafter's shifted inputs)."""
+    proposer: GraftProposer = runner.drafter
+    batch = runner.input_batch
+    by_row = {}
+    if step is not None and step.result is not None:
+        for t, verified in enumerate(step.trees):
+            by_row[verified.batch_row] = t
+    sampled = sampled.cpu()
+    out = []
+    for row, req_id in enumerate(batch.req_ids):
+        num_scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+        if num_scheduled == 0:
+            continue
+        start = int(runner.query_start_loc.np[row])
+        prefix = int(batch.num_computed_tokens_cpu[row])
+        discarded = bool(runner.discard_request_mask.np[row])
+        if row in by_row:
+            t = by_row[row]
+            count = int(step.result.num_accepted[t])
+            path = [0] + step.result.accepted_rows[t, :count].tolist()
+            rows = [start + r for r in path]
+            next_tokens = step.result.output_tokens[t, :count + 1].tolist()
+        else:
+            drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
+            real = num_scheduled - drafts
+            rows = list(range(start, start + real))
+            token_ids = batch.token_ids_cpu[row]
+            next_tokens = token_ids[prefix + 1:prefix + real].tolist()
+            next_tokens.append(int(token_ids[prefix + real]) if discarded
+                               else int(sampled[row, 0]))
+        root_position = prefix + len(rows)
+        drafts_ok = not discarded and proposer.may_draft(runner.requests[req_id], root_position)
+        out.append(SettledRows(batch_row=row, rows=rows, next_tokens=next_tokens,
+                               first_position=prefix, drafts=drafts_ok))
+    return out
+
+
+def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_states
+                       ) -> list[list[int]]:
+    proposer: GraftProposer = runner.drafter
+    step: GraftStep | None = runner._graft_step
+    runner._graft_step = None
+    settled = settled_rows(runner, scheduler_output, sampled_token_ids, step)
+    drafts = proposer.propose_trees(runner, scheduler_output, settled, aux_hidden_states)
+    build = proposer.last_build
+    stats: GraftStats = runner._graft_stats
+    if build is not None:
+        stats.counts["trees_built"] += build.stage.numel()
+        stats.counts["draft_forwards"] += int(build.draft_steps.sum())
+        stats.counts["draft_nodes"] += int(build.draft_nodes.sum())
+        stats.counts["retrieved_nodes"] += int(build.retrieved_nodes.sum())
+        stats.counts["merged_nodes"] += int(build.both_nodes.sum())
+        stats.counts["retrieval_lookups"] += int(build.retrieval_lookups.sum())
+        stats.counts["retrieval_hits"] += int(build.retrieval_hits.sum())
+        names = [f"stage_{cp}" for cp in proposer.settings.config.checkpoints] + ["stage_full"]
+        for stage in build.stage.tolist():
+            stats.counts["stage_none" if stage < 0 else names[stage]] += 1
+    return drafts
