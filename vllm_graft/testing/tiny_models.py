@@ -48,8 +48,9 @@ def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 2048, files: i
 def build_target(out_dir: str | os.PathLike, *, hidden: int = 128, layers: int = 4,
                  heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
                  intermediate: int = 384, sharpness: float = 1.0, seed: int = 0,
-                 vocab_size: int = 2048) -> Path:
-    """Tokenizer + random Qwen3 in ``out_dir`` (fp32 weights)."""
+                 vocab_size: int = 2048, initializer_range: float = 0.02) -> Path:
+    """Tokenizer + random Qwen3 in ``out_dir`` (fp32 weights). A larger
+    ``initializer_range`` gives less repetitive greedy continuations."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     out = Path(out_dir)
@@ -59,7 +60,8 @@ def build_target(out_dir: str | os.PathLike, *, hidden: int = 128, layers: int =
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         head_dim=head_dim, max_position_embeddings=4096, rope_theta=10000.0,
         tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, torch_dtype="float32")
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, torch_dtype="float32",
+        initializer_range=initializer_range)
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(cfg)
     with torch.no_grad():

