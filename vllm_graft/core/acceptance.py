@@ -16,6 +16,12 @@ node is distributed exactly as ``r`` (child ``j`` is accepted with probability
 distribution of plain sampling. Children and their order are fixed before the target
 pass, as the rule requires.
 
+Because the emitted token at every node is a sample of ``r``, the same walk can also be
+driven by an engine's own sampler (:func:`walk_tree` with a ``LevelSampler``): sample
+from ``r`` at the current node, accept the child that carries the sample. The vLLM
+adapter does that, so every sampling feature and the seeded random streams behave
+exactly as in plain decoding.
+
 Random numbers come from per-request generators when a request has one (seeded
 requests), otherwise from the default generator; a fixed count is drawn per level so
 a seeded request's stream does not depend on the other requests in the batch.
@@ -103,34 +109,28 @@ def _uniforms(rows: torch.Tensor, count: int, params: SamplingBatch,
     return out
 
 
-def accept_tree(tree: HybridTree, target_logits: torch.Tensor, params: SamplingBatch,
-                probs_fn: ProbsFn | None = None,
-                argmax_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                ) -> AcceptanceResult:
-    """Walk every request's tree once; see the module docstring for the rule.
+#: ``sample_level(step, rows, current) -> tokens``: the token emitted at tree row
+#: ``current[i]`` of request ``rows[i]`` (rows = the requests still walking). It must be
+#: a sample of the target distribution at that node (its argmax for greedy requests).
+LevelSampler = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 
-    target_logits: [B, N+1, V], row i = target logits after the path to tree row i.
-    probs_fn / argmax_fn: how plain decoding turns logits into a distribution / a greedy
-    token (defaults: :func:`sampling_probs`, ``argmax``); an engine passes its own so
-    that ties and filters resolve exactly as without speculation.
+
+def walk_tree(tree: HybridTree, sample_level: LevelSampler) -> AcceptanceResult:
+    """The tree walk shared by every acceptance rule.
+
+    At each level every walking request emits one token (``sample_level``); if a child
+    of its current node carries that token (siblings are distinct, so at most one), the
+    child is accepted and the walk goes on from it, otherwise the emitted token is the
+    bonus token and the request stops. With one-hot proposals this *is* the multi-draft
+    rule: a child is accepted exactly when the target's own sample equals it.
     """
-    batch, rows, _ = target_logits.shape
-    device = target_logits.device
-    if tree.tokens.shape != (batch, rows):
-        raise ValueError(f"tree has shape {tuple(tree.tokens.shape)}, logits {batch}x{rows}")
-    if probs_fn is None:
-        def probs_fn(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-            return sampling_probs(
-                logits, params.temperature[idx],
-                None if params.top_k is None else params.top_k[idx],
-                None if params.top_p is None else params.top_p[idx])
-
+    batch, rows = tree.tokens.shape
+    device = tree.tokens.device
     max_steps = tree.max_depth + 1
     accepted_rows = torch.full((batch, max_steps), -1, dtype=torch.long, device=device)
     output = torch.full((batch, max_steps), -1, dtype=torch.long, device=device)
     num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
     current = torch.zeros(batch, dtype=torch.long, device=device)
-    greedy = params.is_greedy.to(device)
     batch_index = torch.arange(batch, device=device)
     live = torch.ones(batch, dtype=torch.bool, device=device)
 
@@ -139,32 +139,59 @@ def accept_tree(tree: HybridTree, target_logits: torch.Tensor, params: SamplingB
         if idx.numel() == 0:
             break
         cur = current[idx]
-        logits = target_logits[idx, cur]  # [A, V]
-        children = (tree.parents[idx] == cur[:, None]) & tree.valid[idx]  # [A, N+1]
-        child_tokens = tree.tokens[idx].clamp(min=0)
-        chosen = torch.full_like(cur, -1)  # accepted child row, -1 = none
-        emitted = torch.empty_like(cur)
-
-        g = greedy[idx]
-        if bool(g.any()):
-            target = argmax_fn(logits[g]) if argmax_fn is not None else logits[g].argmax(dim=1)
-            match = children[g] & (child_tokens[g] == target[:, None])
-            chosen[g] = torch.where(match.any(1), match.to(torch.uint8).argmax(1), -1)
-            emitted[g] = target
-        s = ~g
-        if bool(s.any()):
-            chosen[s], emitted[s] = _sample_level(
-                probs_fn(logits[s], idx[s]), children[s], child_tokens[s], idx[s], params)
-
-        hit = chosen >= 0
-        emitted = torch.where(hit, tree.tokens[idx].gather(1, chosen.clamp(min=0).unsqueeze(1))
-                              .squeeze(1), emitted)
+        emitted = sample_level(step, idx, cur).to(device).long()
+        match = (tree.parents[idx] == cur[:, None]) & tree.valid[idx] \
+            & (tree.tokens[idx] == emitted[:, None])  # [A, N+1]
+        hit = match.any(1)
+        chosen = match.to(torch.uint8).argmax(1)
         output[idx, step] = emitted
         accepted_rows[idx[hit], step] = chosen[hit]
         num_accepted[idx[hit]] += 1
         current[idx[hit]] = chosen[hit]
         live[idx[~hit]] = False
     return AcceptanceResult(accepted_rows[:, :max_steps - 1].contiguous(), output, num_accepted)
+
+
+def accept_tree(tree: HybridTree, target_logits: torch.Tensor, params: SamplingBatch,
+                probs_fn: ProbsFn | None = None,
+                argmax_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                ) -> AcceptanceResult:
+    """Walk every request's tree with the explicit rule of the module docstring.
+
+    target_logits: [B, N+1, V], row i = target logits after the path to tree row i.
+    probs_fn / argmax_fn: how plain decoding turns logits into a distribution / a greedy
+    token (defaults: :func:`sampling_probs`, ``argmax``).
+    """
+    batch, rows, _ = target_logits.shape
+    if tree.tokens.shape != (batch, rows):
+        raise ValueError(f"tree has shape {tuple(tree.tokens.shape)}, logits {batch}x{rows}")
+    if probs_fn is None:
+        def probs_fn(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+            return sampling_probs(
+                logits, params.temperature[idx],
+                None if params.top_k is None else params.top_k[idx],
+                None if params.top_p is None else params.top_p[idx])
+    greedy = params.is_greedy.to(target_logits.device)
+
+    def explicit_rule(step: int, idx: torch.Tensor, cur: torch.Tensor) -> torch.Tensor:
+        logits = target_logits[idx, cur]  # [A, V]
+        emitted = torch.empty_like(cur)
+        g = greedy[idx]
+        if bool(g.any()):
+            emitted[g] = argmax_fn(logits[g]) if argmax_fn is not None \
+                else logits[g].argmax(dim=1)
+        s = ~g
+        if bool(s.any()):
+            children = (tree.parents[idx[s]] == cur[s, None]) & tree.valid[idx[s]]
+            child_tokens = tree.tokens[idx[s]].clamp(min=0)
+            chosen, residual = _sample_level(probs_fn(logits[s], idx[s]), children,
+                                             child_tokens, idx[s], params)
+            emitted[s] = torch.where(
+                chosen >= 0, child_tokens.gather(1, chosen.clamp(min=0).unsqueeze(1)).squeeze(1),
+                residual)
+        return emitted
+
+    return walk_tree(tree, explicit_rule)
 
 
 def _sample_level(probs: torch.Tensor, children: torch.Tensor, child_tokens: torch.Tensor,

@@ -10,7 +10,9 @@ through the general-plugin entry point.
 |---|---|---|
 | 1 | ``engine.arg_utils.EngineArgs.create_speculative_config`` | translate ``method: graft`` |
 | 2 | ``engine.arg_utils.EngineArgs.add_cli_args`` | ``--speculative-config`` takes a file |
+| 2b | ``sampling_params.SamplingParams._validate_spec_decode`` | allow min_p, logit_bias |
 | 3 | ``v1.worker.gpu_model_runner.GPUModelRunner.__init__`` | GraftProposer as drafter |
+| 3b | ``v1.worker.gpu_model_runner.build_logitsprocs`` | built-in logits processors on |
 | 4 | ``GPUModelRunner.initialize_kv_cache`` | start-up checks of tree attention |
 | 5 | ``GPUModelRunner._update_states`` | forget finished / preempted requests |
 | 6 | ``GPUModelRunner._prepare_inputs`` | tree positions + attention plan |
@@ -21,7 +23,7 @@ through the general-plugin entry point.
 | 11 | ``GPUModelRunner.sample_tokens`` | ship Graft counters with the output |
 | 12 | ``v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward`` | tree mask |
 | 13 | ``v1.core.sched.scheduler.Scheduler.update_from_output`` / ``make_stats`` | sum counters |
-| 14 | ``v1.engine.EngineCoreOutputs`` annotation of ``scheduler_stats`` | carry counters |
+| 14 | ``v1.engine.EngineCoreOutputs.__annotations__`` (``scheduler_stats``) | carry counters |
 | 15 | ``v1.metrics.loggers.PrometheusStatLogger.__init__`` / ``record`` | export counters |
 """
 
@@ -36,10 +38,14 @@ from vllm_graft.vllm.patching import Patch, call_original
 
 logger = logging.getLogger(__name__)
 
+#: set on the SpeculativeConfig of a Graft engine (it says ``eagle3`` to vLLM)
+GRAFT_MARKER = "graft_enabled"
+
 
 # ---- 1, 2: configuration ----------------------------------------------------------------
 def _patch_engine_args() -> list[Patch]:
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.sampling_params import SamplingParams
 
     from vllm_graft.vllm.config import (ADDITIONAL_CONFIG_KEY, is_graft_spec,
                                         load_speculative_config_arg,
@@ -59,8 +65,11 @@ def _patch_engine_args() -> list[Patch]:
             # Tree verification lives in the V1 runner and needs synchronous steps.
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
             self.async_scheduling = False
-        return call_original(EngineArgs, "create_speculative_config")(
+        config = call_original(EngineArgs, "create_speculative_config")(
             self, target_model_config, target_parallel_config)
+        if is_graft_spec(spec):
+            object.__setattr__(config, GRAFT_MARKER, True)
+        return config
 
     def spec_config_type(value: str):
         try:
@@ -77,14 +86,27 @@ def _patch_engine_args() -> list[Patch]:
                 action.type = spec_config_type
         return parser
 
-    return [Patch("graft.engine_args", EngineArgs, {
-        "create_speculative_config": create_speculative_config,
-        "add_cli_args": staticmethod(add_cli_args),
-    }, must_exist=frozenset({"create_speculative_config", "add_cli_args"}))]
+    def _validate_spec_decode(self, speculative_config):
+        # vLLM refuses min_p and logit_bias because its chain rejection sampler skips
+        # them at draft positions; Graft samples every tree node with the full sampler.
+        if getattr(speculative_config, GRAFT_MARKER, False):
+            return
+        return call_original(SamplingParams, "_validate_spec_decode")(self, speculative_config)
+
+    return [
+        Patch("graft.engine_args", EngineArgs, {
+            "create_speculative_config": create_speculative_config,
+            "add_cli_args": staticmethod(add_cli_args),
+        }, must_exist=frozenset({"create_speculative_config", "add_cli_args"})),
+        Patch("graft.sampling_params", SamplingParams,
+              {"_validate_spec_decode": _validate_spec_decode},
+              must_exist=frozenset({"_validate_spec_decode"})),
+    ]
 
 
 # ---- 3-11: the V1 model runner ----------------------------------------------------------
 def _patch_runner() -> list[Patch]:
+    import vllm.v1.worker.gpu_model_runner as runner_module
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from vllm_graft.vllm import runner as graft_runner
@@ -175,12 +197,30 @@ def _patch_runner() -> list[Patch]:
                 output.graft_stats = counts
         return output
 
+    def build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model,
+                          custom_logitsprocs=(), *args, **kwargs):
+        # vLLM builds only MinTokens under speculative decoding (its chain sampler skips
+        # the others at draft positions). Graft samples every node with the full
+        # sampler, so the built-in processors (min_p, logit_bias) work.
+        graft = (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+        if graft is not None and not is_pooling_model and not custom_logitsprocs:
+            from vllm.v1.sample.logits_processor import (BUILTIN_LOGITS_PROCESSORS,
+                                                         LogitsProcessors)
+
+            return LogitsProcessors(ctor(vllm_config, device, is_pin_memory)
+                                    for ctor in BUILTIN_LOGITS_PROCESSORS)
+        return call_original(runner_module, "build_logitsprocs")(
+            vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs,
+            *args, **kwargs)
+
     names = ["__init__", "initialize_kv_cache", "_update_states", "_prepare_inputs",
              "_model_forward", "_sample", "_input_fits_in_drafter", "propose_draft_token_ids",
              "sample_tokens"]
     local = locals()
     return [Patch("graft.runner", cls, {name: local[name] for name in names},
-                  must_exist=frozenset(names))]
+                  must_exist=frozenset(names)),
+            Patch("graft.logitsprocs", runner_module, {"build_logitsprocs": build_logitsprocs},
+                  must_exist=frozenset({"build_logitsprocs"}))]
 
 
 def torch_tensor():

@@ -19,6 +19,7 @@ the scheduler rolls back exactly the rejected rows.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -26,11 +27,10 @@ import torch
 
 from vllm.v1.outputs import SamplerOutput
 
-from vllm_graft.core.acceptance import AcceptanceResult, accept_tree
+from vllm_graft.core.acceptance import AcceptanceResult, walk_tree
 from vllm_graft.core.graft import accepted_by_source
 from vllm_graft.core.hybrid import HybridTree, ancestor_mask
 from vllm_graft.vllm.proposer import GraftProposer, PendingTree, SettledRows
-from vllm_graft.vllm.sampling import greedy_argmax, sampling_batch, vllm_probs_fn
 from vllm_graft.vllm.tree_attention import TreeAttentionPlan, TreeKVStore, TreeRequestPlan
 
 
@@ -103,77 +103,102 @@ def prepare_tree_verification(runner, scheduler_output) -> GraftStep | None:
     return GraftStep(trees=trees, plan=plan, store=store)
 
 
-def _tree_batch(trees: list[VerifiedTree], device) -> HybridTree:
-    rows = max(t.tree.tokens.numel() for t in trees)
-
-    def pad(values, fill):
-        out = torch.full((len(trees), rows), fill, dtype=values[0].dtype)
-        for i, v in enumerate(values):
-            out[i, :v.numel()] = v
-        return out.to(device)
-
-    tokens = pad([t.tree.tokens for t in trees], -1)
-    parents = pad([t.tree.parents for t in trees], -1)
-    depths = pad([t.tree.depths for t in trees], 0)
-    source = pad([t.tree.source for t in trees], 0)
+def _batch_trees(trees: list[VerifiedTree], batch: int, device) -> HybridTree:
+    """One tree per request of the persistent batch: the verified trees, and a bare
+    root for every other request (it emits one token and stops)."""
+    rows = max([1] + [t.tree.tokens.numel() for t in trees])
+    tokens = torch.full((batch, rows), -1, dtype=torch.long)
+    parents = torch.full((batch, rows), -1, dtype=torch.long)
+    depths = torch.zeros((batch, rows), dtype=torch.long)
+    source = torch.zeros((batch, rows), dtype=torch.uint8)
+    tokens[:, 0] = 0  # the root token itself is never matched
+    for t in trees:
+        n = t.tree.tokens.numel()
+        tokens[t.batch_row, :n] = t.tree.tokens
+        parents[t.batch_row, :n] = t.tree.parents
+        depths[t.batch_row, :n] = t.tree.depths
+        source[t.batch_row, :n] = t.tree.source
     valid = tokens >= 0
+    tokens, parents, depths, source, valid = (x.to(device) for x in
+                                               (tokens, parents, depths, source, valid))
     return HybridTree(tokens=tokens, parents=parents, depths=depths, valid=valid,
-                      source=source,
-                      ancestor=ancestor_mask(parents, valid, int(depths.max())),
-                      num_nodes=valid.sum(1))
+                      source=source, ancestor=torch.empty(0), num_nodes=valid.sum(1))
+
+
+@contextlib.contextmanager
+def _frozen_generators(generators: dict[int, torch.Generator], rows) -> None:
+    """Restore the generators of ``rows`` after the block: requests that stopped walking
+    must not consume random numbers, so a seeded request draws exactly once per emitted
+    token, as in plain decoding."""
+    saved = {row: generators[row].get_state() for row in rows if row in generators}
+    try:
+        yield
+    finally:
+        for row, state in saved.items():
+            generators[row].set_state(state)
 
 
 def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> SamplerOutput:
-    """Replacement of ``GPUModelRunner._sample`` when Graft is on (never vLLM's chain
-    rejection sampler, whose CPU path is not lossless in vLLM 0.32)."""
+    """Replacement of ``GPUModelRunner._sample`` when Graft is on.
+
+    Walks every request's tree (a bare root for requests without one) with vLLM's own
+    sampler choosing the token at each node: the emitted token at every node is exactly
+    what plain decoding would sample there (every sampling option, the same random
+    stream for seeded requests), and a child is accepted when it carries that token.
+    vLLM's chain rejection sampler is never used (its CPU path is not lossless in 0.32).
+    """
     step: GraftStep = runner._graft_step
-    proposer: GraftProposer = runner.drafter
     stats: GraftStats = runner._graft_stats
     sampling_metadata = runner.input_batch.sampling_metadata
-    num_sampled = torch.as_tensor(spec_decode_metadata.num_draft_tokens,
-                                  device=logits.device) + 1
+    device = logits.device
+    num_sampled = torch.as_tensor(spec_decode_metadata.num_draft_tokens, device=device) + 1
     starts = torch.cumsum(num_sampled, 0) - num_sampled  # first logits row per request
     batch = num_sampled.numel()
-
-    # every request's root row through vLLM's own sampler (all features, exact)
-    base = runner.sampler(logits=logits[starts], sampling_metadata=sampling_metadata)
-    first = base.sampled_token_ids.view(-1).long()
-
     trees = step.trees if step is not None else []
-    width = 1 + max((int(t.tree.depths.max()) for t in trees), default=0)
-    output = torch.full((batch, width), -1, dtype=torch.long, device=logits.device)
-    output[:, 0] = first
-    logits_rows = starts.unsqueeze(1).expand(batch, width).clone()  # row producing each token
+    tree = _batch_trees(trees, batch, device)
+    level_logprobs = []
+    all_rows = torch.arange(batch, device=device)
+
+    def sample_level(level: int, rows: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+        node = torch.zeros(batch, dtype=torch.long, device=device)
+        node[rows] = current
+        walking = torch.zeros(batch, dtype=torch.bool, device=device)
+        walking[rows] = True
+        with _frozen_generators(sampling_metadata.generators, all_rows[~walking].tolist()):
+            out = runner.sampler(logits=logits[starts + node],
+                                 sampling_metadata=sampling_metadata)
+        level_logprobs.append(out.logprobs_tensors)
+        return out.sampled_token_ids.view(-1)[rows].long()
+
+    result = walk_tree(tree, sample_level)
+    output = result.output_tokens
     if trees:
-        tree = _tree_batch(trees, logits.device)
-        batch_rows = torch.tensor([t.batch_row for t in trees], device=logits.device)
-        tree_rows = starts[batch_rows].unsqueeze(1) + torch.arange(
-            tree.tokens.shape[1], device=logits.device)
-        tree_rows = torch.where(tree.valid, tree_rows, starts[batch_rows].unsqueeze(1))
-        tree_logits = logits[tree_rows]  # [T, N+1, V] (a copy)
-        params = sampling_batch(sampling_metadata, batch_rows)
-        result = accept_tree(tree, tree_logits, params, probs_fn=vllm_probs_fn(params),
-                             argmax_fn=greedy_argmax)
         step.result = result
-        out_tokens = result.output_tokens[:, :width]
-        output[batch_rows] = torch.nn.functional.pad(
-            out_tokens, (0, width - out_tokens.shape[1]), value=-1)
-        path = torch.cat([torch.zeros_like(result.accepted_rows[:, :1]),
-                          result.accepted_rows], dim=1)[:, :width]
-        path_rows = starts[batch_rows].unsqueeze(1) + path.clamp(min=0)
-        logits_rows[batch_rows] = torch.nn.functional.pad(
-            path_rows, (0, width - path_rows.shape[1]), value=0)
         _move_accepted_kv(runner, step, result)
+        verified = torch.tensor([t.batch_row for t in trees], device=device)
         stats.counts["verified_trees"] += len(trees)
-        stats.counts["verified_nodes"] += int(tree.num_nodes.sum()) - len(trees)
+        stats.counts["verified_nodes"] += int(tree.num_nodes[verified].sum()) - len(trees)
         for source, n in accepted_by_source(tree, result).items():
             stats.counts[f"accepted_{source}"] += n
     _learn(runner, logits, spec_decode_metadata, starts, trees)
     logprobs = None
-    if sampling_metadata.max_num_logprobs is not None:
-        logprobs = _path_logprobs(runner, logits, logits_rows, output,
-                                  sampling_metadata.max_num_logprobs)
+    if level_logprobs[0] is not None:
+        logprobs = _stack_levels(level_logprobs, output.shape[1])
     return SamplerOutput(sampled_token_ids=output.to(torch.int32), logprobs_tensors=logprobs)
+
+
+def _stack_levels(levels: list, width: int):
+    """Per-level sampler logprobs ([B, ...] each) as vLLM's spec layout [B * width, ...];
+    entries of tokens never emitted are dropped by vLLM's parse_output."""
+    from vllm.v1.outputs import LogprobsTensors
+
+    levels = levels + [levels[0]] * (width - len(levels))
+
+    def stack(name):
+        return torch.stack([getattr(level, name) for level in levels], dim=1).flatten(0, 1)
+
+    return LogprobsTensors(stack("logprob_token_ids"), stack("logprobs"),
+                           stack("selected_token_ranks"))
 
 
 def _learn(runner, logits, spec_decode_metadata, starts, trees) -> None:
@@ -197,21 +222,6 @@ def _learn(runner, logits, spec_decode_metadata, starts, trees) -> None:
     runner.drafter.matrix.update_from_logits_(torch.cat(tokens), logits[rows])
 
 
-def _path_logprobs(runner, logits, logits_rows, output, max_num_logprobs):
-    """Raw target logprobs at the row that produced each emitted token, as plain
-    decoding reports them (padding entries are dropped by vLLM's parse_output)."""
-    rows = logits_rows.reshape(-1)
-    raw = logits[rows].float()
-    if runner.sampler.logprobs_mode == "raw_logprobs":
-        raw = raw.log_softmax(dim=-1)
-    tokens = output.reshape(-1).clamp(min=0)
-    if max_num_logprobs == -1:
-        from vllm.v1.outputs import LogprobsTensors
-
-        return LogprobsTensors(torch.empty(0), raw, torch.empty(0))
-    return runner.sampler.gather_logprobs(raw, max_num_logprobs, token_ids=tokens)
-
-
 def _move_accepted_kv(runner, step: GraftStep, result: AcceptanceResult) -> None:
     """Copy the accepted rows' K/V (kept from the forward) to positions
     ``prefix + 1 .. prefix + L`` in every target layer, so the cache is what a chain of
@@ -221,10 +231,10 @@ def _move_accepted_kv(runner, step: GraftStep, result: AcceptanceResult) -> None
     block_table = runner.input_batch.block_table[runner.drafter.kv_cache_gid]
     table = block_table.get_device_tensor(runner.input_batch.num_reqs)
     block_size = block_table.block_size
-    for t, verified in enumerate(step.trees):
-        count = int(result.num_accepted[t])
+    for verified in step.trees:
+        count = int(result.num_accepted[verified.batch_row])
         if count:
-            rows = result.accepted_rows[t, :count]
+            rows = result.accepted_rows[verified.batch_row, :count]
             positions = verified.prefix_len + torch.arange(1, count + 1, device=rows.device)
             slots = (table[verified.batch_row, positions // block_size].long() * block_size
                      + positions % block_size)
@@ -246,10 +256,9 @@ def settled_rows(runner, scheduler_output, sampled: torch.Tensor, step: GraftSte
     tokens that follow them (the drafter's shifted inputs)."""
     proposer: GraftProposer = runner.drafter
     batch = runner.input_batch
-    by_row = {}
+    by_row = set()
     if step is not None and step.result is not None:
-        for t, verified in enumerate(step.trees):
-            by_row[verified.batch_row] = t
+        by_row = {verified.batch_row for verified in step.trees}
     sampled = sampled.cpu()
     out = []
     for row, req_id in enumerate(batch.req_ids):
@@ -260,11 +269,10 @@ def settled_rows(runner, scheduler_output, sampled: torch.Tensor, step: GraftSte
         prefix = int(batch.num_computed_tokens_cpu[row])
         discarded = bool(runner.discard_request_mask.np[row])
         if row in by_row:
-            t = by_row[row]
-            count = int(step.result.num_accepted[t])
-            path = [0] + step.result.accepted_rows[t, :count].tolist()
+            count = int(step.result.num_accepted[row])
+            path = [0] + step.result.accepted_rows[row, :count].tolist()
             rows = [start + r for r in path]
-            next_tokens = step.result.output_tokens[t, :count + 1].tolist()
+            next_tokens = step.result.output_tokens[row, :count + 1].tolist()
         else:
             drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
             real = num_scheduled - drafts

@@ -1,0 +1,131 @@
+"""Configuration paths: the plugin's guards, the graft.json forms, and clear start-up
+errors for bad keys, values and files (no engine loop is ever reached)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.vllm.conftest import graft_spec, running_llm
+from vllm_graft.core.config import GraftConfigError
+from vllm_graft.vllm.config import load_speculative_config_arg, translate_speculative_config
+from vllm_graft.vllm.version import UnsupportedVLLMVersion, check_vllm_version
+
+
+def test_only_the_supported_vllm_is_accepted():
+    check_vllm_version("0.32.0")
+    check_vllm_version("0.32.0+cpu")
+    with pytest.raises(UnsupportedVLLMVersion, match="supports vLLM 0.32.0 only.*found vLLM 0.33.1"):
+        check_vllm_version("0.33.1")
+
+
+def test_patches_are_idempotent_and_listed():
+    from vllm_graft.vllm import patches
+
+    patches.apply_all()
+    assert patches.apply_all() == 0
+    names = {p.name for p in patches.all_patches()}
+    assert {"graft.engine_args", "graft.runner", "graft.cpu_attention",
+            "graft.prometheus"} <= names
+    for patch in patches.all_patches():  # every patched symbol is in the module's table
+        for attr in patch.attributes:
+            assert attr in patches.__doc__, attr
+
+
+def test_translation_to_eagle3_and_additional_config(tiny_models):
+    spec, settings = translate_speculative_config(
+        graft_spec(tiny_models.head, budget=16, variant="prune_only"),
+        target_model=str(tiny_models.target), target_vocab_size=2048)
+    assert spec == {"method": "eagle3", "model": str(tiny_models.head),
+                    "num_speculative_tokens": 16}
+    assert settings["budget"] == 16 and settings["variant"] == "prune_only"
+
+
+@pytest.mark.parametrize("graft, message", [
+    ({"budget": 0}, "speculative_config.graft.budget"),
+    ({"variannt": "graft"}, "speculative_config.graft.variannt: unknown key"),
+    ({"variant": "beam"}, "speculative_config.graft.variant"),
+    ({"thresholds": [0.5]}, "thresholds needs one entry per checkpoint"),
+    ({"calibration": "/nonexistent/calib.json"}, "graft.calibration: file '/nonexistent/calib.json' not found"),
+    ({"warmup": "/nonexistent/m.bin"}, "graft.warmup: file '/nonexistent/m.bin' not found"),
+])
+def test_bad_graft_blocks_name_the_key(tiny_models, graft, message):
+    with pytest.raises(GraftConfigError, match=message.replace(".", r"\.")):
+        translate_speculative_config(graft_spec(tiny_models.head, **graft))
+
+
+def test_head_and_token_count_are_checked(tiny_models):
+    with pytest.raises(GraftConfigError, match="speculative_config.model"):
+        translate_speculative_config({"method": "graft"})
+    with pytest.raises(GraftConfigError, match="num_speculative_tokens: set by graft.budget"):
+        translate_speculative_config({**graft_spec(tiny_models.head), "num_speculative_tokens": 3})
+
+
+def test_wrong_warmup_vocabulary_is_refused(tiny_models, tmp_path):
+    from vllm_graft.core.successor import SuccessorFileError, SuccessorMatrix
+
+    SuccessorMatrix.empty(999, 8).save(tmp_path / "m.bin")
+    with pytest.raises(SuccessorFileError, match="m.bin.*vocab_size 999 does not match the model's 2048"):
+        translate_speculative_config(graft_spec(tiny_models.head, warmup=str(tmp_path / "m.bin")),
+                                     target_vocab_size=2048)
+
+
+def test_speculative_config_argument_forms(tmp_path):
+    inline = load_speculative_config_arg('{"method": "graft", "model": "h"}')
+    assert inline == {"method": "graft", "model": "h"}
+    (tmp_path / "calib.json").write_text("{}")
+    (tmp_path / "graft.json").write_text(json.dumps(
+        {"method": "graft", "model": "h", "graft": {"calibration": "calib.json"}}))
+    from_file = load_speculative_config_arg(str(tmp_path / "graft.json"))
+    assert from_file["graft"]["calibration"] == str(tmp_path / "calib.json")  # file-relative
+    (tmp_path / "graft.yaml").write_text("method: graft\nmodel: h\ngraft:\n  budget: 8\n")
+    assert load_speculative_config_arg(str(tmp_path / "graft.yaml"))["graft"] == {"budget": 8}
+    with pytest.raises(GraftConfigError, match="neither inline JSON nor an existing file"):
+        load_speculative_config_arg("missing.json")
+    with pytest.raises(GraftConfigError, match="invalid JSON"):
+        load_speculative_config_arg("{nope")
+    (tmp_path / "bad.json").write_text("[1]")
+    with pytest.raises(GraftConfigError, match="bad.json.*must be a JSON object"):
+        load_speculative_config_arg(str(tmp_path / "bad.json"))
+
+
+def test_llm_refuses_a_bad_config_at_startup(tiny_models):
+    from vllm import LLM
+
+    with pytest.raises(GraftConfigError, match="speculative_config.graft.top_k"):
+        LLM(model=str(tiny_models.target), dtype="float32", enforce_eager=True,
+            speculative_config=graft_spec(tiny_models.head, top_k=0))
+
+
+def test_llm_refuses_a_corrupt_calibration_at_startup(tiny_models, tmp_path):
+    from vllm import LLM
+
+    from vllm_graft.core.calibration import CalibrationError
+
+    bad = tmp_path / "calib.json"
+    bad.write_text('{"format_version": 1, "thresholds": "high"}')
+    with pytest.raises(CalibrationError, match="calib.json.*calibration.thresholds"):
+        LLM(model=str(tiny_models.target), dtype="float32", enforce_eager=True,
+            speculative_config=graft_spec(tiny_models.head, calibration=str(bad)))
+
+
+def test_explicit_thresholds_and_calibration_reach_the_runner(tiny_models, tmp_path):
+    """A calibration file for these very models is accepted and its thresholds used."""
+    from vllm import SamplingParams
+
+    from vllm_graft.core.calibration import Calibration, ModelIdentity, fingerprint_model
+
+    calibration = Calibration(
+        format_version=1, checkpoints=(0, 1, 5), thresholds=(1.0, 1.0, 1.0), budget=60,
+        draft_keep=(8, 24, 40), template="best_first",
+        target=ModelIdentity(name="tiny", fingerprint=fingerprint_model(tiny_models.target)),
+        drafter=ModelIdentity(name="head", fingerprint=fingerprint_model(tiny_models.head)),
+        warmup_corpus_sha256="0" * 64)
+    calibration.save(tmp_path / "calib.json")
+    spec = graft_spec(tiny_models.head, calibration=str(tmp_path / "calib.json"))
+    with running_llm(tiny_models.target, spec) as llm:
+        llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+        stats = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    # thresholds 1.0 from the file: every tree stopped at the root checkpoint
+    assert stats["vllm:graft_stage_0"] == stats["vllm:graft_trees_built"] > 0
