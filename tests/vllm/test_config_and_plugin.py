@@ -129,3 +129,19 @@ def test_explicit_thresholds_and_calibration_reach_the_runner(tiny_models, tmp_p
         stats = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     # thresholds 1.0 from the file: every tree stopped at the root checkpoint
     assert stats["vllm:graft_stage_0"] == stats["vllm:graft_trees_built"] > 0
+
+
+def test_cli_parser_takes_a_file_inline_json_and_config_yaml(tmp_path):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    spec = {"method": "graft", "model": "head", "graft": {"budget": 8}}
+    (tmp_path / "graft.json").write_text(json.dumps(spec))
+    from_file = parser.parse_args(["--speculative-config", str(tmp_path / "graft.json")])
+    inline = parser.parse_args(["--speculative-config", json.dumps(spec)])
+    (tmp_path / "serve.yaml").write_text(
+        "speculative-config:\n  method: graft\n  model: head\n  graft:\n    budget: 8\n")
+    from_yaml = parser.parse_args(["--config", str(tmp_path / "serve.yaml")])
+    assert from_file.speculative_config == inline.speculative_config == spec
+    assert from_yaml.speculative_config == spec

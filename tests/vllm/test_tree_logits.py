@@ -21,21 +21,21 @@ def test_every_tree_node_matches_transformers(tiny_models, monkeypatch):
 
     recorded = []
     original_sample = runner_module.sample_with_trees
-    original_accept = runner_module.accept_tree
 
     def recording_sample(runner, logits, spec_decode_metadata):
         step = runner._graft_step
-        prefixes = {t.req_id: runner.input_batch.token_ids_cpu[t.batch_row, :t.prefix_len + 1]
-                    .tolist() for t in (step.trees if step else [])}
-        recorded.append({"trees": list(step.trees) if step else [], "prefixes": prefixes})
+        trees = list(step.trees) if step else []
+        counts = torch.tensor(spec_decode_metadata.num_draft_tokens) + 1
+        starts = torch.cumsum(counts, 0) - counts
+        recorded.append({
+            "trees": trees,
+            "prefixes": {t.req_id: runner.input_batch.token_ids_cpu[
+                t.batch_row, :t.prefix_len + 1].tolist() for t in trees},
+            "logits": [logits[starts[t.batch_row] + torch.arange(t.tree.tokens.numel())].clone()
+                       for t in trees]})
         return original_sample(runner, logits, spec_decode_metadata)
 
-    def recording_accept(tree, tree_logits, *args, **kwargs):
-        recorded[-1]["logits"] = tree_logits.clone()
-        return original_accept(tree, tree_logits, *args, **kwargs)
-
     monkeypatch.setattr(runner_module, "sample_with_trees", recording_sample)
-    monkeypatch.setattr(runner_module, "accept_tree", recording_accept)
     # block size 32: prompts and trees cross KV block boundaries
     with running_llm(tiny_models.target, graft_spec(tiny_models.head, budget=60),
                      block_size=32) as llm:
@@ -59,7 +59,7 @@ def test_every_tree_node_matches_transformers(tiny_models, monkeypatch):
                 sequence = prefix + path[::-1]
                 with torch.no_grad():
                     expected = model(torch.tensor([sequence])).logits[0, -1]
-                got = record["logits"][t, node]
+                got = record["logits"][t][node]
                 worst = max(worst, float((got - expected).abs().max()))
                 checked += 1
                 if node > 1 and parents[node] != node - 1:  # a linear reading would differ
