@@ -26,7 +26,7 @@ def test_patches_are_idempotent_and_listed():
     patches.apply_all()
     assert patches.apply_all() == 0
     names = {p.name for p in patches.all_patches()}
-    assert {"graft.engine_args", "graft.runner", "graft.cpu_attention",
+    assert {"graft.engine_args", "graft.runner", "graft.tree_attention.CPUAttentionBackendImpl",
             "graft.prometheus"} <= names
     for patch in patches.all_patches():  # every patched symbol is in the module's table
         for attr in patch.attributes:

@@ -21,7 +21,7 @@ through the general-plugin entry point.
 | 9 | ``GPUModelRunner._input_fits_in_drafter`` | per-request fit is Graft's job |
 | 10 | ``GPUModelRunner.propose_draft_token_ids`` | catch-up + tree drafting |
 | 11 | ``GPUModelRunner.sample_tokens`` | ship Graft counters with the output |
-| 12 | ``v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward`` | tree mask |
+| 12 | ``v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward`` (on GPUs: the ``forward`` of the attention implementation in use, patched when the KV cache is created) | tree mask |
 | 13 | ``v1.core.sched.scheduler.Scheduler.update_from_output`` / ``make_stats`` | sum counters |
 | 14 | ``v1.engine.EngineCoreOutputs.__annotations__`` (``scheduler_stats``) | carry counters |
 | 15 | ``v1.metrics.loggers.PrometheusStatLogger.__init__`` / ``record`` | export counters |
@@ -62,9 +62,15 @@ def _patch_engine_args() -> list[Patch]:
             self.speculative_config = eagle_spec
             self.additional_config = {**(self.additional_config or {}),
                                       ADDITIONAL_CONFIG_KEY: settings}
-            # Tree verification lives in the V1 runner and needs synchronous steps.
+            # Tree verification lives in the V1 runner and needs synchronous steps; the
+            # per-step tree logic runs eagerly (no CUDA graphs / compiled attention).
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
             self.async_scheduling = False
+            from vllm.platforms import current_platform
+
+            if not current_platform.is_cpu():
+                self.enforce_eager = True
+                target_model_config.enforce_eager = True
         config = call_original(EngineArgs, "create_speculative_config")(
             self, target_model_config, target_parallel_config)
         if is_graft_spec(spec):
@@ -112,8 +118,7 @@ def _patch_runner() -> list[Patch]:
     from vllm_graft.vllm import runner as graft_runner
     from vllm_graft.vllm.config import ADDITIONAL_CONFIG_KEY
     from vllm_graft.vllm.proposer import GraftProposer
-    from vllm_graft.vllm.tree_attention import (active_plan, check_impl_supported,
-                                                check_kv_layout)
+    from vllm_graft.vllm.tree_attention import active_plan, check_impl_supported, kv_reader
 
     cls = GPUModelRunner
 
@@ -141,11 +146,14 @@ def _patch_runner() -> list[Patch]:
             for name, layer in layers.items():
                 impl = getattr(layer, "impl", None)
                 kv_cache = getattr(layer, "kv_cache", None)
-                if impl is None or not hasattr(impl, "do_kv_cache_update"):
+                if impl is None or not isinstance(kv_cache, torch_tensor()):
                     continue
+                if not hasattr(impl, "do_kv_cache_update"):
+                    raise ValueError(f"Graft needs an attention backend with a separate KV "
+                                     f"cache update; {type(impl).__name__} has none")
                 check_impl_supported(impl)
-                if isinstance(kv_cache, torch_tensor()):
-                    check_kv_layout(impl, layer, kv_cache)
+                kv_reader(impl, layer, kv_cache)  # refuses a layout it cannot read
+                tree_attention_patch(type(impl)).apply()
         return out
 
     def _update_states(self, scheduler_output, *args, **kwargs):
@@ -229,20 +237,27 @@ def torch_tensor():
     return torch.Tensor
 
 
-# ---- 12: tree attention on the CPU backend ----------------------------------------------
-def _patch_cpu_attention() -> list[Patch]:
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
-
+# ---- 12: tree attention ----------------------------------------------------------------
+def tree_attention_patch(impl_cls) -> Patch:
+    """Tree attention on an attention implementation's ``forward`` (inert without an
+    active tree plan). The CPU backend is patched at plugin load; on other platforms the
+    implementation in use is patched when a Graft runner creates its KV cache."""
     from vllm_graft.vllm.tree_attention import tree_attention_forward
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 *args, **kwargs):
-        original = call_original(CPUAttentionBackendImpl, "forward")
+        original = call_original(impl_cls, "forward")
         return tree_attention_forward(original, self, layer, query, key, value, kv_cache,
                                       attn_metadata, output, *args, **kwargs)
 
-    return [Patch("graft.cpu_attention", CPUAttentionBackendImpl, {"forward": forward},
-                  must_exist=frozenset({"forward", "do_kv_cache_update"}))]
+    return Patch(f"graft.tree_attention.{impl_cls.__name__}", impl_cls, {"forward": forward},
+                 must_exist=frozenset({"forward", "do_kv_cache_update"}))
+
+
+def _patch_cpu_attention() -> list[Patch]:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    return [tree_attention_patch(CPUAttentionBackendImpl)]
 
 
 # ---- 13-15: metrics ---------------------------------------------------------------------

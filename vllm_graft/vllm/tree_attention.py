@@ -1,4 +1,4 @@
-"""Tree attention for vLLM's CPU attention backend.
+"""Tree attention for vLLM's attention backends (checked on the CPU backend).
 
 vLLM's CPU kernel knows only causal attention over a request's KV in linear slot order.
 For rows that belong to a token tree we let the native kernel run (the other requests
@@ -11,10 +11,10 @@ tree rows (the drafter's tree steps) skips the native kernel.
 Which rows are tree rows is said by a :class:`TreeAttentionPlan`, made active for one
 model forward with :func:`active_plan`; forwards without a plan run untouched.
 
-The paged layout is read with :func:`read_paged_kv`, whose assumption about the CPU
-kernel's layout is checked against the kernel itself (:func:`check_kv_layout`) before
-its first use for each (ISA, dtype, shape): a kernel that stores KV differently makes
-Graft fail loudly at start-up instead of attending to garbage.
+The paged cache is read by the reader that :func:`kv_reader` finds to reproduce what the
+backend's own cache-update op wrote (checked once per backend, dtype and shape, at
+start-up): a backend that stores KV some other way makes Graft fail loudly instead of
+attending to garbage.
 """
 
 from __future__ import annotations
@@ -105,59 +105,89 @@ def current_plan() -> TreeAttentionPlan | None:
     return _ACTIVE_PLAN.get()
 
 
-# ---- the paged KV layout of vLLM's CPU backend ----------------------------------------
-def read_paged_kv(kv_cache: torch.Tensor, block_table: torch.Tensor,
-                  length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of positions [0, length) of one request: two [num_kv_heads, length, head]
-    tensors.
-
-    Layout of vLLM 0.32's CPU cache: ``[num_blocks, num_kv_heads, block_size,
-    2 * head_size]``; inside one (block, head) the first ``block_size * head_size``
-    values are K transposed (``[head_size, block_size]``), the rest V
-    (``[block_size, head_size]``). Checked by :func:`check_kv_layout`.
-    """
+# ---- reading a request's K/V from the paged cache --------------------------------------
+# Each reader returns K and V of positions [0, length) as two [kv_heads, length, head]
+# tensors. Which one fits a backend is decided by :func:`kv_reader`, which writes known
+# K/V with the backend's own cache-update op and keeps the reader that reads them back:
+# a backend that stores KV some other way is refused at start-up, never misread.
+def _read_cpu(kv_cache, block_table, length):
+    """vLLM's CPU backend: ``[blocks, kv_heads, block_size, 2 * head]``; inside one
+    (block, head) the first ``block_size * head`` values are K transposed
+    (``[head, block_size]``), the rest V (``[block_size, head]``)."""
     _, heads, block_size, two_head = kv_cache.shape
     head = two_head // 2
-    if length == 0:
-        empty = kv_cache.new_empty((heads, 0, head))
-        return empty, empty
     blocks = (length + block_size - 1) // block_size
     chunk = kv_cache[block_table[:blocks].long()].reshape(blocks, heads, 2, block_size * head)
     k = chunk[:, :, 0].reshape(blocks, heads, head, block_size).permute(1, 0, 3, 2)
     v = chunk[:, :, 1].reshape(blocks, heads, block_size, head).permute(1, 0, 2, 3)
-    k = k.reshape(heads, blocks * block_size, head)[:, :length]
-    v = v.reshape(heads, blocks * block_size, head)[:, :length]
-    return k, v
+    return (k.reshape(heads, blocks * block_size, head)[:, :length],
+            v.reshape(heads, blocks * block_size, head)[:, :length])
 
 
-_CHECKED_LAYOUTS: set[tuple] = set()
-
-
-def check_kv_layout(impl, layer, kv_cache: torch.Tensor) -> None:
-    """Write known K/V with the backend's own cache-update op into a scratch cache of
-    the same shape and dtype and read it back with :func:`read_paged_kv`."""
+def _read_heads_kv_last(kv_cache, block_table, length):
+    """``[blocks, kv_heads, block_size, 2 * head]`` with K and V side by side in the last
+    dimension (FlashAttention's layout in vLLM 0.32)."""
     _, heads, block_size, two_head = kv_cache.shape
-    key = (getattr(layer, "isa", None), kv_cache.dtype, heads, block_size, two_head)
-    if key in _CHECKED_LAYOUTS:
-        return
     head = two_head // 2
-    scratch = torch.zeros((3, heads, block_size, two_head), dtype=kv_cache.dtype,
-                          device=kv_cache.device)
+    blocks = (length + block_size - 1) // block_size
+    chunk = kv_cache[block_table[:blocks].long()]  # [blocks, heads, block, 2 * head]
+    chunk = chunk.permute(1, 0, 2, 3).reshape(heads, blocks * block_size, two_head)[:, :length]
+    return chunk[..., :head], chunk[..., head:]
+
+
+def _read_kv_first(kv_cache, block_table, length):
+    """``[2, blocks, block_size, kv_heads, head]`` (K and V planes first)."""
+    _, _, block_size, heads, head = kv_cache.shape
+    blocks = (length + block_size - 1) // block_size
+    planes = kv_cache[:, block_table[:blocks].long()]  # [2, blocks, block, heads, head]
+    planes = planes.reshape(2, blocks * block_size, heads, head)[:, :length]
+    return planes[0].transpose(0, 1), planes[1].transpose(0, 1)
+
+
+def _read_kv_second(kv_cache, block_table, length):
+    """``[blocks, 2, block_size, kv_heads, head]``."""
+    _, _, block_size, heads, head = kv_cache.shape
+    blocks = (length + block_size - 1) // block_size
+    chunk = kv_cache[block_table[:blocks].long()].transpose(0, 1)
+    chunk = chunk.reshape(2, blocks * block_size, heads, head)[:, :length]
+    return chunk[0].transpose(0, 1), chunk[1].transpose(0, 1)
+
+
+_READERS = {4: (_read_cpu, _read_heads_kv_last), 5: (_read_kv_first, _read_kv_second)}
+_DETECTED: dict[tuple, object] = {}
+
+
+def kv_reader(impl, layer, kv_cache: torch.Tensor):
+    """The reader that reproduces what ``impl.do_kv_cache_update`` wrote (cached)."""
+    key = (type(impl), getattr(layer, "isa", None), kv_cache.dtype, tuple(kv_cache.shape[1:]))
+    if key in _DETECTED:
+        return _DETECTED[key]
+    blocks_first = kv_cache.shape[0] != 2
+    scratch_shape = (3, *kv_cache.shape[1:]) if blocks_first else (2, 3, *kv_cache.shape[2:])
+    scratch = torch.zeros(scratch_shape, dtype=kv_cache.dtype, device=kv_cache.device)
+    heads, head = layer.num_kv_heads, layer.head_size
+    block_size = kv_cache.shape[2]  # the block-size dimension in every layout above
     length = block_size + 5  # crosses a block boundary
     gen = torch.Generator(device="cpu").manual_seed(0)
     k = torch.randn(length, heads, head, generator=gen).to(kv_cache.dtype)
     v = torch.randn(length, heads, head, generator=gen).to(kv_cache.dtype)
-    block_table = torch.tensor([2, 1, 0], dtype=torch.int32)
-    positions = torch.arange(length)
-    slots = (block_table[positions // block_size].long() * block_size
-             + positions % block_size).to(kv_cache.device)
+    block_table = torch.tensor([2, 1, 0], dtype=torch.int32, device=kv_cache.device)
+    positions = torch.arange(length, device=kv_cache.device)
+    slots = block_table[positions // block_size].long() * block_size + positions % block_size
     impl.do_kv_cache_update(layer, k.to(kv_cache.device), v.to(kv_cache.device), scratch, slots)
-    got_k, got_v = read_paged_kv(scratch, block_table, length)
-    if not (torch.equal(got_k.cpu(), k.transpose(0, 1)) and torch.equal(got_v.cpu(), v.transpose(0, 1))):
-        raise TreeAttentionError(
-            f"the paged KV layout of attention ISA {key[0]!r} (dtype {kv_cache.dtype}) is not "
-            "the one Graft's tree attention reads; this vLLM build or CPU is not supported")
-    _CHECKED_LAYOUTS.add(key)
+    for reader in _READERS.get(kv_cache.dim(), ()):
+        try:
+            got_k, got_v = reader(scratch, block_table, length)
+        except RuntimeError:
+            continue
+        if (got_k.shape == (heads, length, head) and torch.equal(got_k.cpu(), k.transpose(0, 1))
+                and torch.equal(got_v.cpu(), v.transpose(0, 1))):
+            _DETECTED[key] = reader
+            return reader
+    raise TreeAttentionError(
+        f"Graft's tree attention cannot read the paged KV cache of {type(impl).__name__} "
+        f"(shape {tuple(kv_cache.shape)}, dtype {kv_cache.dtype}); this attention backend "
+        "is not supported")
 
 
 def check_impl_supported(impl) -> None:
@@ -187,7 +217,7 @@ def tree_attention_forward(original, impl, layer, query, key, value, kv_cache,
         original(impl, layer, query, key, value, kv_cache, attn_metadata, output,
                  *args, **kwargs)
     check_impl_supported(impl)
-    check_kv_layout(impl, layer, kv_cache)
+    read_paged_kv = kv_reader(impl, layer, kv_cache)
     rows_key, rows_value = key, value  # [tokens, kv_heads, head]
     if plan.store is not None:
         index = plan.store_rows
@@ -195,7 +225,10 @@ def tree_attention_forward(original, impl, layer, query, key, value, kv_cache,
     out_view = output.view(output.shape[0], query.shape[1], -1)
     for req in plan.requests:
         rows = slice(req.query_start, req.query_start + req.num_rows)
-        k_prefix, v_prefix = read_paged_kv(kv_cache, req.block_table, req.prefix_len)
+        if req.prefix_len:
+            k_prefix, v_prefix = read_paged_kv(kv_cache, req.block_table, req.prefix_len)
+        else:
+            k_prefix = v_prefix = key.new_empty((key.shape[1], 0, key.shape[2]))
         parts_k = [k_prefix.transpose(0, 1)]
         parts_v = [v_prefix.transpose(0, 1)]
         if req.context_rows is not None and req.context_rows.numel():
