@@ -76,3 +76,30 @@ def test_fingerprint_is_path_independent(tmp_path):
     assert fingerprint_model(tmp_path / "a") == fingerprint_model(tmp_path / "b")
     ModelIdentity(name="x", fingerprint=fingerprint_model(tmp_path / "a"))
     assert isinstance(Calibration.model_validate(_valid()), Calibration)
+
+
+def test_record_from_a_dense_tree():
+    from vllm_graft.core.calibration import TreeRecord
+
+    # rows in score order: 1,2 at depth 1; 3 at depth 2 (child of 1); 4 at depth 3
+    depths = [0, 1, 1, 2, 3]
+    record = TreeRecord.from_dense_tree(depths, accepted_rows=[1, 3, 4],
+                                        confidence=[0.9, 0.5, 0.2], checkpoints=(0, 1),
+                                        draft_keep=(1, 3))
+    # stop at 0 keeps row 1 only -> 1 accepted; stop at 1 keeps rows 1,2,3 -> 2 accepted
+    assert record.kept_accepted == (1, 2) and record.full_accepted == 3
+
+
+def test_fit_prefers_pruning_unsure_trees():
+    from vllm_graft.core.calibration import TreeRecord, fit_thresholds, simulate
+
+    sure = [TreeRecord((0.9, 0.8, 0.7), (1, 2), 5) for _ in range(10)]
+    unsure = [TreeRecord((0.1, 0.05, 0.01), (0, 0), 0) for _ in range(10)]
+    thresholds, fit = fit_thresholds(sure + unsure, (0, 1), retrieval_gain=(1.5, 1.0),
+                                     max_depth=3, draft_cost=0.1)
+    assert 0.1 < thresholds[0] <= 0.9  # unsure trees stop at the root, sure ones go on
+    tokens, steps, _ = simulate(sure + unsure, thresholds, (0, 1), (1.5, 1.0), 3, 0.1)
+    assert tokens == (10 * 6 + 10 * 2.5) / 20 and steps == (10 * 3 + 10 * 1) / 20
+    assert fit["predicted"]["tokens_per_cost"] > fit["dense"]["tokens_per_cost"]
+    with pytest.raises(ValueError, match="no dense-tree records"):
+        fit_thresholds([], (0,), (1.0,), 3)

@@ -1,4 +1,3 @@
-import itertools
 
 import pytest
 import torch
@@ -23,7 +22,8 @@ def _all_paths(drafter, root, top_k, depth):
     return pool
 
 
-@pytest.mark.parametrize("top_k, depth, keep", [(3, 3, 10), (4, 4, 25), (10, 7, 60), (2, 5, 9)])
+@pytest.mark.parametrize("top_k, depth, keep", [(3, 3, 10), (4, 4, 25), (10, 7, 60), (2, 5, 9),
+                                                (1, 7, 8)])  # top_k 1: a chain
 def test_selection_is_best_m_and_prefix_closed(top_k, depth, keep):
     vocab = 50
     drafter = TableDrafter(vocab, top_k, seed=top_k)
@@ -58,6 +58,9 @@ def test_pruning_stops_at_the_checkpoint_and_saves_drafter_calls():
     roots = torch.tensor([5, 6, 5])
     tree = builder.build(roots, drafter)
     assert tree.stage.tolist() == [0, 3, 0]  # 3 = drafted to full depth
+    # the recorded confidences are what the gate compared; NaN after a request stopped
+    assert abs(float(tree.confidence[0, 0]) - 0.1) < 1e-5
+    assert torch.isnan(tree.confidence[0, 1:]).all() and not torch.isnan(tree.confidence[1]).any()
     assert tree.steps.tolist() == [1, 5, 1]
     assert tree.valid.sum(1).tolist() == [3, 12, 3]
     # after step 0 only the confident request was still sent to the drafter

@@ -76,3 +76,16 @@ def spec_metrics(llm) -> dict:
 def mean_accepted(metrics: dict) -> float:
     drafts = metrics.get("spec_decode_num_drafts") or 0
     return 1 + metrics.get("spec_decode_num_accepted_tokens", 0) / drafts if drafts else 1.0
+
+
+@pytest.fixture(scope="session")
+def plain_outputs(tiny_models):
+    """Greedy plain-decoding outputs of the tiny target for the shared prompts."""
+    from vllm import SamplingParams
+
+    from tests.vllm.test_greedy_lossless import MAX_TOKENS, PROMPTS
+
+    with running_llm(tiny_models.target) as llm:
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                       ignore_eos=True), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]

@@ -42,16 +42,6 @@ PROMPTS = [
 MAX_TOKENS = 48
 
 
-@pytest.fixture(scope="module")
-def plain_outputs(tiny_models):
-    from vllm import SamplingParams
-
-    with running_llm(tiny_models.target) as llm:
-        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
-                                                       ignore_eos=True), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs]
-
-
 ALWAYS_PRUNE_AT_ROOT = [1.0, 1.0, 1.0]  # confidence is never above 1: stop at depth 0
 NEVER_PRUNE = [0.0, 0.0, 0.0]
 

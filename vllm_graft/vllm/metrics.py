@@ -37,6 +37,9 @@ GRAFT_COUNTERS = {
     "accepted_draft": "Accepted tokens proposed by the drafter only.",
     "accepted_retrieved": "Accepted tokens proposed by retrieval only.",
     "accepted_both": "Accepted tokens proposed by both.",
+    "bookkeeping_us": "Microseconds of Graft's own work outside model forwards.",
+    "draft_forward_us": "Microseconds of draft-head forwards (catch-up and tree steps).",
+    "tree_attention_us": "Microseconds recomputing tree rows' attention in the target.",
     "stage_none": "Trees built without drafting (retrieval_only).",
     "stage_full": "Trees whose drafting was not pruned.",
 }

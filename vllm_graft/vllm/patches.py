@@ -117,7 +117,7 @@ def _patch_runner() -> list[Patch]:
 
     from vllm_graft.vllm import runner as graft_runner
     from vllm_graft.vllm.config import ADDITIONAL_CONFIG_KEY
-    from vllm_graft.vllm.proposer import GraftProposer
+    from vllm_graft.vllm.proposer import GraftDraftModelProposer, GraftProposer
     from vllm_graft.vllm.tree_attention import active_plan, check_impl_supported, kv_reader
 
     cls = GPUModelRunner
@@ -133,7 +133,9 @@ def _patch_runner() -> list[Patch]:
             return
         if vllm_config.model_config.uses_mrope:
             raise ValueError("Graft does not support M-RoPE models")
-        self.drafter = GraftProposer(self.vllm_config, self.device, self)
+        proposer = GraftDraftModelProposer \
+            if vllm_config.speculative_config.method == "draft_model" else GraftProposer
+        self.drafter = proposer(self.vllm_config, self.device, self)
         self._graft_stats = graft_runner.GraftStats()
 
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):

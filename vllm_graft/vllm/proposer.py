@@ -17,11 +17,16 @@ One drafting round per engine step, for the whole batch:
    Calibrated pruning stops unsure requests early; retrieval fills the freed slots.
 3. The flattened trees go to the scheduler as each request's draft tokens, and are
    kept (by request id) for the next step's verification.
+
+The same rounds drive an ordinary draft model (:class:`GraftDraftModelProposer`, e.g.
+Qwen2.5-Coder-0.5B for the 1.5B): it reads token ``p`` at position ``p`` instead of
+EAGLE's shifted input, and has no hidden-state input.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +34,7 @@ import torch
 
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_graft.core.draft_tree import DraftStep
@@ -45,16 +51,21 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class PendingTree:
-    """A tree sent to the scheduler, waiting for verification (CPU tensors, root first)."""
+    """A tree sent to the scheduler, waiting for verification (CPU tensors, root first).
+
+    stage / confidence: where drafting stopped and the best-path confidence after each
+    draft step (for metrics and calibration)."""
 
     tokens: torch.Tensor  # [n] int64
     parents: torch.Tensor  # [n]
     depths: torch.Tensor  # [n]
     source: torch.Tensor  # [n] uint8
+    stage: int = -1
+    confidence: torch.Tensor | None = None  # [max_depth]
 
     def truncated(self, rows: int) -> PendingTree:
         return PendingTree(self.tokens[:rows], self.parents[:rows], self.depths[:rows],
-                           self.source[:rows])
+                           self.source[:rows], self.stage, self.confidence)
 
 
 @dataclass
@@ -62,20 +73,28 @@ class SettledRows:
     """Per request: the target rows whose positions became final this step.
 
     rows: flattened-batch rows in position order; next_tokens: the token at position
-    + 1 of each row (the drafter's input); first_position: position of rows[0]."""
+    + 1 of each row; first_position / first_token: position and token of rows[0]."""
 
     batch_row: int
     rows: list[int]
     next_tokens: list[int]
     first_position: int
+    first_token: int
     drafts: bool  # whether this request gets a new tree
 
 
-class GraftProposer(EagleProposer):
-    """EAGLE-3 head + successor matrix -> one hybrid tree per request per step."""
+class GraftTreeDrafting:
+    """The drafting rounds, shared by both drafters; subclasses say how their model is
+    fed (``_catch_up_inputs``, ``_forward``, ``_top_k``) and where its tree rows sit:
+    a node at depth ``d`` under a root at position ``R`` is fed at position
+    ``R + d + EXPANSION_OFFSET`` and sees the cached positions ``[0, R + PREFIX_EXTRA)``.
+    """
 
-    def __init__(self, vllm_config, device, runner=None):
-        super().__init__(vllm_config, device, runner)
+    EXPANSION_OFFSET: int
+    PREFIX_EXTRA: int
+    USES_HIDDEN: bool
+
+    def _init_graft(self, vllm_config, device) -> None:
         settings = GraftSettings.from_vllm_config(vllm_config)
         if settings is None:
             raise ValueError("GraftProposer needs additional_config['graft']")
@@ -93,6 +112,7 @@ class GraftProposer(EagleProposer):
         self.pending: dict[str, PendingTree] = {}
         self.last_build: BuildStats | None = None
         self.max_model_len = vllm_config.model_config.max_model_len
+        self.forward_seconds = 0.0  # head forwards, summed (for the overhead metrics)
 
     @property
     def matrix(self) -> SuccessorMatrix:
@@ -100,8 +120,8 @@ class GraftProposer(EagleProposer):
 
     # ---- vLLM hooks -----------------------------------------------------------------
     def dummy_run(self, num_tokens: int, *args, **kwargs) -> None:
-        """One forward is enough to warm the head up (vLLM's loops once per draft token,
-        60 times for a 60-node budget)."""
+        """One forward is enough to warm the drafter up (vLLM's loops once per draft
+        token, 60 times for a 60-node budget)."""
         saved = self.num_speculative_tokens
         self.num_speculative_tokens = 1
         try:
@@ -127,7 +147,7 @@ class GraftProposer(EagleProposer):
         drafting = [i for i, s in enumerate(settled) if s.drafts]
         if not drafting:
             return drafts
-        last_rows, last_hidden, prenorm = catchup
+        last_rows, last_hidden, next_hidden = catchup
         index = torch.tensor(drafting, dtype=torch.long)
         roots = torch.tensor([settled[i].next_tokens[-1] for i in drafting], dtype=torch.long)
         root_positions = torch.tensor(
@@ -136,16 +156,19 @@ class GraftProposer(EagleProposer):
         batch_rows = torch.tensor([settled[i].batch_row for i in drafting], dtype=torch.long)
         expander = _TreeExpansion(
             self, root_logprobs=self._top_k(last_hidden[last_rows[index]]),
-            root_hidden=prenorm[last_rows[index]], root_positions=root_positions,
+            root_hidden=None if next_hidden is None else next_hidden[last_rows[index]],
+            root_positions=root_positions,
             block_tables=block_table[batch_rows])
         tree, stats = self.tree_builder.build(roots.to(self.device), expander)
         self.last_build = stats
         tree = _to_cpu(tree)
+        stages, confidence = stats.stage.tolist(), stats.confidence.cpu()
         for t, i in enumerate(drafting):
             req_id = req_ids[settled[i].batch_row]
             n = int(tree.num_nodes[t])
             pending = PendingTree(tree.tokens[t, :n].clone(), tree.parents[t, :n].clone(),
-                                  tree.depths[t, :n].clone(), tree.source[t, :n].clone())
+                                  tree.depths[t, :n].clone(), tree.source[t, :n].clone(),
+                                  stages[t], confidence[t])
             self.pending[req_id] = pending
             drafts[settled[i].batch_row] = pending.tokens[1:].tolist()
         return drafts
@@ -163,18 +186,21 @@ class GraftProposer(EagleProposer):
 
     def _catch_up(self, runner, settled: list[SettledRows],
                   aux_hidden_states: list[torch.Tensor]):
-        """Causal head forward over every settled position; returns (last row of each
-        request in the catch-up batch, post-norm hidden, pre-norm hidden)."""
-        rows = torch.tensor([r for s in settled for r in s.rows], dtype=torch.long,
-                            device=self.device)
-        counts = np.array([len(s.rows) for s in settled], dtype=np.int32)
-        input_ids = torch.tensor([t for s in settled for t in s.next_tokens],
+        """Causal drafter forward over every settled position; returns (last row of each
+        request in the catch-up batch, hidden for logits, hidden for the next step)."""
+        per_request = [self._catch_up_inputs(s) for s in settled]
+        counts = np.array([len(tokens) for tokens, _ in per_request], dtype=np.int32)
+        input_ids = torch.tensor([t for tokens, _ in per_request for t in tokens],
                                  dtype=torch.int32, device=self.device)
-        positions = torch.cat([torch.arange(s.first_position, s.first_position + len(s.rows))
-                               for s in settled]).to(self.device)
-        target_hidden = torch.cat([h[rows] for h in aux_hidden_states], dim=-1) \
-            if self.eagle3_use_aux_hidden_state else aux_hidden_states[-1][rows]
-        hidden = self.model.combine_hidden_states(target_hidden)
+        positions = torch.tensor([p for _, pos in per_request for p in pos],
+                                 dtype=torch.long, device=self.device)
+        hidden = None
+        if self.USES_HIDDEN:
+            rows = torch.tensor([r for s in settled for r in s.rows], dtype=torch.long,
+                                device=self.device)
+            target_hidden = torch.cat([h[rows] for h in aux_hidden_states], dim=-1) \
+                if self.eagle3_use_aux_hidden_state else aux_hidden_states[-1][rows]
+            hidden = self.model.combine_hidden_states(target_hidden)
 
         batch_rows = torch.tensor([s.batch_row for s in settled], dtype=torch.long)
         block_table = self._block_table(runner)[batch_rows.to(self.device)]
@@ -184,7 +210,7 @@ class GraftProposer(EagleProposer):
                         + positions % block_size)
         query_start = np.zeros(len(settled) + 1, dtype=np.int32)
         np.cumsum(counts, out=query_start[1:])
-        seq_lens = np.array([s.first_position + len(s.rows) for s in settled], dtype=np.int32)
+        seq_lens = np.array([pos[-1] + 1 for _, pos in per_request], dtype=np.int32)
         common = CommonAttentionMetadata(
             query_start_loc=torch.from_numpy(query_start).to(self.device),
             query_start_loc_cpu=torch.from_numpy(query_start),
@@ -204,38 +230,96 @@ class GraftProposer(EagleProposer):
             built = group.build_metadata_for_drafting(common, draft_index=0)
             for name in group.layer_names:
                 metadata[name] = built
+        start = time.perf_counter()
         with set_forward_context(metadata, self.vllm_config, num_tokens=int(counts.sum()),
                                  slot_mapping={name: slot_mapping
                                                for name in self._draft_attn_layer_names}):
-            last_hidden, prenorm = self.model(input_ids=input_ids, positions=positions,
-                                              hidden_states=hidden, inputs_embeds=None)
+            last_hidden, next_hidden = self._forward(input_ids, positions, hidden)
+        self.forward_seconds += time.perf_counter() - start
         last_rows = torch.from_numpy(query_start[1:].astype(np.int64) - 1).to(self.device)
-        return last_rows, last_hidden, prenorm
+        return last_rows, last_hidden, next_hidden
+
+    def _top_k_of_logits(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return logits.float().log_softmax(dim=-1).topk(self.settings.config.top_k, dim=-1)
+
+
+class GraftProposer(GraftTreeDrafting, EagleProposer):
+    """EAGLE-3 head + successor matrix -> one hybrid tree per request per step.
+
+    EAGLE reads token ``p + 1`` with the target's hidden state at ``p``: the catch-up
+    row of position ``p`` carries the next token, and a tree node of depth ``d`` is fed
+    at ``root + d - 1`` with its parent row's pre-norm output."""
+
+    EXPANSION_OFFSET = -1
+    PREFIX_EXTRA = 0
+    USES_HIDDEN = True
+
+    def __init__(self, vllm_config, device, runner=None):
+        super().__init__(vllm_config, device, runner)
+        self._init_graft(vllm_config, device)
+
+    def _catch_up_inputs(self, settled: SettledRows) -> tuple[list[int], list[int]]:
+        first = settled.first_position
+        return settled.next_tokens, list(range(first, first + len(settled.rows)))
+
+    def _forward(self, input_ids, positions, hidden):
+        return self.model(input_ids=input_ids, positions=positions, hidden_states=hidden,
+                          inputs_embeds=None)
 
     def _top_k(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k log-probs of the head over its (possibly reduced) vocabulary, with the
-        ids mapped to the target vocabulary."""
-        logits = self.model.logits_processor(self.model.lm_head, hidden)
-        logprobs = logits.float().log_softmax(dim=-1)
-        values, ids = logprobs.topk(self.settings.config.top_k, dim=-1)
+        """Top-k over the head's (reduced) vocabulary, ids mapped to the target's."""
+        values, ids = self._top_k_of_logits(
+            self.model.logits_processor(self.model.lm_head, hidden))
         offsets = getattr(self.model, "draft_id_to_target_id", None)
         if offsets is not None:
             ids = ids + offsets[ids]
         return values, ids
 
 
+class GraftDraftModelProposer(GraftTreeDrafting, DraftModelProposer):
+    """An ordinary draft model (same tokenizer as the target) drafting Graft trees.
+
+    It reads token ``p`` at position ``p``: the catch-up feeds the tokens of the settled
+    positions shifted by one (the new root included, the very first position added for
+    a fresh prompt), and a tree node of depth ``d`` is fed at ``root + d``."""
+
+    EXPANSION_OFFSET = 0
+    PREFIX_EXTRA = 1
+    USES_HIDDEN = False
+
+    def __init__(self, vllm_config, device, runner=None):
+        super().__init__(vllm_config, device, runner)
+        self._init_graft(vllm_config, device)
+
+    def _catch_up_inputs(self, settled: SettledRows) -> tuple[list[int], list[int]]:
+        first = settled.first_position
+        tokens = list(settled.next_tokens)
+        positions = list(range(first + 1, first + 1 + len(settled.rows)))
+        if first == 0:  # a fresh prompt: the drafter has not seen position 0 yet
+            tokens.insert(0, settled.first_token)
+            positions.insert(0, 0)
+        return tokens, positions
+
+    def _forward(self, input_ids, positions, hidden):
+        return self.model(input_ids=input_ids, positions=positions, inputs_embeds=None), None
+
+    def _top_k(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._top_k_of_logits(self.model.compute_logits(hidden))
+
+
 class _TreeExpansion:
     """The drafter callback of :class:`GraftTreeBuilder` for one round (see module doc).
 
-    Keeps, for every expanded node (a pool slot), the row of its forward in the head's
-    K/V store and its pre-norm output, which its children take as their hidden input.
+    Keeps, for every expanded node (a pool slot), the row of its forward in the
+    drafter's K/V store and (EAGLE) its pre-norm output, which its children take as
+    their hidden input.
     """
 
-    def __init__(self, proposer: GraftProposer, *, root_logprobs, root_hidden,
+    def __init__(self, proposer: GraftTreeDrafting, *, root_logprobs, root_hidden,
                  root_positions: torch.Tensor, block_tables: torch.Tensor):
         self.proposer = proposer
         self.root_logprobs = root_logprobs  # ([D, top_k], [D, top_k])
-        self.root_hidden = root_hidden  # [D, H]
+        self.root_hidden = root_hidden  # [D, H], None for drafters without hidden input
         self.root_positions = root_positions.to(proposer.device)  # [D]
         self.block_tables = block_tables  # [D, max_blocks]
         self.store = TreeKVStore()
@@ -260,16 +344,20 @@ class _TreeExpansion:
         parents = pool.parents[active].gather(1, slots)  # [A, W]
         depths = pool.depths[active].gather(1, slots)
         tokens = step.tokens.clamp(min=0)
-        positions = (self.root_positions[active].unsqueeze(1) + depths - 1).reshape(-1)
+        positions = (self.root_positions[active].unsqueeze(1) + depths
+                     + proposer.EXPANSION_OFFSET).reshape(-1)
 
-        # hidden input: the pre-norm output of the row that proposed each node
-        parent_rows = torch.where(parents >= 0,
-                                  self.row_of_slot[active].gather(1, parents.clamp(min=0)), -1)
-        hidden = self.root_hidden[active].unsqueeze(1).expand(-1, width, -1).clone()
-        if self.hidden_rows:
-            all_hidden = torch.cat(self.hidden_rows)
-            has = parent_rows >= 0
-            hidden[has] = all_hidden[parent_rows[has]]
+        hidden = None
+        if self.root_hidden is not None:
+            # hidden input: the pre-norm output of the row that proposed each node
+            parent_rows = torch.where(
+                parents >= 0, self.row_of_slot[active].gather(1, parents.clamp(min=0)), -1)
+            hidden = self.root_hidden[active].unsqueeze(1).expand(-1, width, -1).clone()
+            if self.hidden_rows:
+                all_hidden = torch.cat(self.hidden_rows)
+                has = parent_rows >= 0
+                hidden[has] = all_hidden[parent_rows[has]]
+            hidden = hidden.reshape(num_active * width, -1)
 
         # context: this request's earlier expansion rows that are ancestors of the node
         first_new_row = self.store.num_rows
@@ -287,18 +375,21 @@ class _TreeExpansion:
             mask = torch.cat([visible_ctx, torch.eye(width, dtype=torch.bool, device=device)], 1)
             plans.append(TreeRequestPlan(
                 query_start=a * width, num_rows=width,
-                prefix_len=int(self.root_positions[b]), block_table=self.block_tables[b],
+                prefix_len=int(self.root_positions[b]) + proposer.PREFIX_EXTRA,
+                block_table=self.block_tables[b],
                 mask=mask, context_rows=ctx_rows))
         plan = TreeAttentionPlan(requests=plans, store=self.store, replace_all=True,
                                  store_rows=torch.arange(num_active * width, device=device))
+        start = time.perf_counter()
         with active_plan(plan), set_forward_context(
                 {name: None for name in proposer._draft_attn_layer_names},
                 proposer.vllm_config, num_tokens=num_active * width, slot_mapping={}):
-            last_hidden, prenorm = proposer.model(
-                input_ids=tokens.reshape(-1).to(torch.int32), positions=positions,
-                hidden_states=hidden.reshape(num_active * width, -1), inputs_embeds=None)
+            last_hidden, next_hidden = proposer._forward(
+                tokens.reshape(-1).to(torch.int32), positions, hidden)
+        proposer.forward_seconds += time.perf_counter() - start
         self.store.num_rows += num_active * width
-        self.hidden_rows.append(prenorm)
+        if next_hidden is not None:
+            self.hidden_rows.append(next_hidden)
         new_rows = torch.arange(first_new_row, first_new_row + num_active * width,
                                 device=device).view(num_active, width)
         self.row_of_slot[active.unsqueeze(1), slots] = new_rows

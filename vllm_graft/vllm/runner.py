@@ -20,6 +20,7 @@ the scheduler rolls back exactly the rejected rows.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -32,6 +33,11 @@ from vllm_graft.core.graft import accepted_by_source
 from vllm_graft.core.hybrid import HybridTree, ancestor_mask
 from vllm_graft.vllm.proposer import GraftProposer, PendingTree, SettledRows
 from vllm_graft.vllm.tree_attention import TreeAttentionPlan, TreeKVStore, TreeRequestPlan
+
+
+#: Callbacks ``observer(tree: VerifiedTree, accepted_rows: list[int])`` called in the
+#: worker after every tree verification (calibration records trees this way).
+TREE_OBSERVERS: list = []
 
 
 @dataclass
@@ -55,7 +61,9 @@ class GraftStep:
 
 @dataclass
 class GraftStats:
-    """Counters accumulated by the worker and shipped with each ModelRunnerOutput."""
+    """Counters accumulated by the worker and shipped with each ModelRunnerOutput.
+    Times are in microseconds (``*_us``): bookkeeping (Graft's own work outside model
+    forwards), draft-head forwards, and the tree-row attention recomputation."""
 
     counts: Counter = field(default_factory=Counter)
 
@@ -64,8 +72,19 @@ class GraftStats:
         self.counts.clear()
         return out
 
+    def add_seconds(self, name: str, seconds: float) -> None:
+        self.counts[f"{name}_us"] += int(seconds * 1e6)
+
 
 def prepare_tree_verification(runner, scheduler_output) -> GraftStep | None:
+    start = time.perf_counter()
+    try:
+        return _prepare_tree_verification(runner, scheduler_output)
+    finally:
+        runner._graft_stats.add_seconds("bookkeeping", time.perf_counter() - start)
+
+
+def _prepare_tree_verification(runner, scheduler_output) -> GraftStep | None:
     proposer: GraftProposer = runner.drafter
     batch = runner.input_batch
     trees: list[VerifiedTree] = []
@@ -149,6 +168,8 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
     """
     step: GraftStep = runner._graft_step
     stats: GraftStats = runner._graft_stats
+    start = time.perf_counter()
+    level_zero_seconds = 0.0
     sampling_metadata = runner.input_batch.sampling_metadata
     device = logits.device
     num_sampled = torch.as_tensor(spec_decode_metadata.num_draft_tokens, device=device) + 1
@@ -160,6 +181,8 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
     all_rows = torch.arange(batch, device=device)
 
     def sample_level(level: int, rows: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+        nonlocal level_zero_seconds
+        level_start = time.perf_counter()
         node = torch.zeros(batch, dtype=torch.long, device=device)
         node[rows] = current
         walking = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -168,6 +191,8 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
             out = runner.sampler(logits=logits[starts + node],
                                  sampling_metadata=sampling_metadata)
         level_logprobs.append(out.logprobs_tensors)
+        if level == 0:  # plain decoding samples this row too: not Graft's overhead
+            level_zero_seconds += time.perf_counter() - level_start
         return out.sampled_token_ids.view(-1)[rows].long()
 
     result = walk_tree(tree, sample_level)
@@ -180,10 +205,17 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
         stats.counts["verified_nodes"] += int(tree.num_nodes[verified].sum()) - len(trees)
         for source, n in accepted_by_source(tree, result).items():
             stats.counts[f"accepted_{source}"] += n
+        for observer in TREE_OBSERVERS:
+            for t in trees:
+                count = int(result.num_accepted[t.batch_row])
+                observer(t, result.accepted_rows[t.batch_row, :count].tolist())
     _learn(runner, logits, spec_decode_metadata, starts, trees)
     logprobs = None
     if level_logprobs[0] is not None:
         logprobs = _stack_levels(level_logprobs, output.shape[1])
+    if step is not None and step.plan is not None:
+        stats.add_seconds("tree_attention", step.plan.seconds)
+    stats.add_seconds("bookkeeping", time.perf_counter() - start - level_zero_seconds)
     return SamplerOutput(sampled_token_ids=output.to(torch.int32), logprobs_tensors=logprobs)
 
 
@@ -284,7 +316,9 @@ def settled_rows(runner, scheduler_output, sampled: torch.Tensor, step: GraftSte
         root_position = prefix + len(rows)
         drafts_ok = not discarded and proposer.may_draft(runner.requests[req_id], root_position)
         out.append(SettledRows(batch_row=row, rows=rows, next_tokens=next_tokens,
-                               first_position=prefix, drafts=drafts_ok))
+                               first_position=prefix,
+                               first_token=int(batch.token_ids_cpu[row, prefix]),
+                               drafts=drafts_ok))
     return out
 
 
@@ -293,10 +327,14 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
     proposer: GraftProposer = runner.drafter
     step: GraftStep | None = runner._graft_step
     runner._graft_step = None
+    start, forwards = time.perf_counter(), proposer.forward_seconds
     settled = settled_rows(runner, scheduler_output, sampled_token_ids, step)
     drafts = proposer.propose_trees(runner, scheduler_output, settled, aux_hidden_states)
     build = proposer.last_build
     stats: GraftStats = runner._graft_stats
+    forward_seconds = proposer.forward_seconds - forwards
+    stats.add_seconds("draft_forward", forward_seconds)
+    stats.add_seconds("bookkeeping", time.perf_counter() - start - forward_seconds)
     if build is not None:
         stats.counts["trees_built"] += build.stage.numel()
         stats.counts["draft_forwards"] += int(build.draft_steps.sum())

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -90,6 +91,7 @@ class TreeAttentionPlan:
     replace_all: bool = False  # every row is a tree row: skip the native kernel
     # the K/V rows this forward appends to the store, in store order
     store_rows: torch.Tensor | None = None
+    seconds: float = 0.0  # time spent recomputing tree rows (for the overhead metrics)
 
 
 @contextlib.contextmanager
@@ -216,6 +218,7 @@ def tree_attention_forward(original, impl, layer, query, key, value, kv_cache,
     if not plan.replace_all:
         original(impl, layer, query, key, value, kv_cache, attn_metadata, output,
                  *args, **kwargs)
+    start = time.perf_counter()
     check_impl_supported(impl)
     read_paged_kv = kv_reader(impl, layer, kv_cache)
     rows_key, rows_value = key, value  # [tokens, kv_heads, head]
@@ -250,4 +253,5 @@ def tree_attention_forward(original, impl, layer, query, key, value, kv_cache,
         out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=visible,
                                              scale=impl.scale)
         out_view[rows] = out.transpose(0, 1).to(output.dtype)
+    plan.seconds += time.perf_counter() - start
     return output

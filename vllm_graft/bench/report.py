@@ -1,0 +1,168 @@
+"""Markdown report and matplotlib figures from a ``results.json``."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+GOALS = """\
+Goals (same run, same budget): graft MAT >= 1.05x dense_tree with >= 30 % fewer draft
+forwards per step; >= 1.3x vLLM's EAGLE-3 chain; >= 1.06x prune_only; >= 1.5x
+retrieval_only and ngram; Graft bookkeeping <= 5 % of step time."""
+
+
+def _rows(results: dict) -> list[dict]:
+    return [r for r in results["rows"] if r["dataset"] != "_engine"]
+
+
+def method_means(results: dict) -> dict[str, dict]:
+    """Per method: MAT and draft forwards averaged over datasets, tokens/s overall."""
+    by = defaultdict(list)
+    for row in _rows(results):
+        by[row["method"]].append(row)
+    out = {}
+    for method, rows in by.items():
+        tokens = sum(r["generated_tokens"] for r in rows)
+        seconds = sum(r["seconds"] for r in rows)
+        out[method] = {
+            "mat": sum(r["mat"] for r in rows) / len(rows),
+            "tokens_per_s": tokens / seconds if seconds else 0.0,
+            "draft_forwards_per_step": sum(r.get("draft_forwards_per_step", 0) for r in rows) / len(rows),
+            "bookkeeping_share": (sum(r.get("bookkeeping_share") or 0 for r in rows) / len(rows)
+                                  if any("bookkeeping_share" in r for r in rows) else None),
+        }
+    return out
+
+
+def goal_checks(means: dict) -> list[tuple[str, str, bool | None]]:
+    def ratio(a, b, key="mat"):
+        if a not in means or b not in means or not means[b][key]:
+            return None
+        return means[a][key] / means[b][key]
+
+    checks = []
+
+    def check(text, value, target, higher=True):
+        if value is None:
+            checks.append((text, "n/a", None))
+        else:
+            ok = value >= target if higher else value <= target
+            checks.append((text, f"{value:.3f} (goal {'>=' if higher else '<='} {target})", ok))
+
+    check("MAT graft / dense_tree", ratio("graft", "dense_tree"), 1.05)
+    forwards = ratio("graft", "dense_tree", "draft_forwards_per_step")
+    check("draft forwards graft / dense_tree", forwards, 0.70, higher=False)
+    check("MAT graft / eagle3 chain", ratio("graft", "eagle3"), 1.3)
+    check("MAT graft / prune_only", ratio("graft", "prune_only"), 1.06)
+    check("MAT graft / retrieval_only", ratio("graft", "retrieval_only"), 1.5)
+    check("MAT graft / ngram", ratio("graft", "ngram"), 1.5)
+    share = means.get("graft", {}).get("bookkeeping_share")
+    check("graft bookkeeping share of step time", share, 0.05, higher=False)
+    return checks
+
+
+def markdown(results: dict) -> str:
+    rows = _rows(results)
+    cfg = results["config"]
+    lines = ["# vllm-graft benchmark", "",
+             f"Target `{Path(cfg['target']).name}`, head `{Path(cfg['head']).name}`, budget "
+             f"{cfg['budget']}, greedy, {cfg['max_tokens']} new tokens per prompt, dtype "
+             f"{cfg['dtype']}, max {cfg['max_num_seqs']} concurrent requests.", "",
+             f"Machine: {results['machine']['cpu']} ({results['machine']['cores']} cores), "
+             f"torch {results['machine']['torch']}.", "",
+             f"Command: `{cfg.get('command') or 'vllm-graft bench'}`", ""]
+    means = method_means(results)
+    lines += ["## Summary (mean over datasets)", "",
+              "| method | MAT | tokens/s | draft forwards / step | greedy identical to plain |",
+              "|---|---|---|---|---|"]
+    agreement = results.get("greedy_agreement_with_plain", {})
+    for method, m in means.items():
+        a = agreement.get(method)
+        same = f"{a['identical']}/{a['total']}" if a else "-"
+        lines.append(f"| {method} | {m['mat']:.3f} | {m['tokens_per_s']:.2f} | "
+                     f"{m['draft_forwards_per_step']:.2f} | {same} |")
+    lines += ["", "## Goals", "", GOALS, "", "| check | value | met |", "|---|---|---|"]
+    for text, value, ok in goal_checks(means):
+        lines.append(f"| {text} | {value} | {'yes' if ok else ('no' if ok is False else '-')} |")
+    lines += ["", "## Per dataset", "",
+              "| dataset | method | MAT | tokens/s | verified / step | draft fwd / step | "
+              "retrieved share | matrix hits | bookkeeping |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in sorted(rows, key=lambda r: (r["dataset"], r["method"])):
+        fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
+        lines.append(f"| {row['dataset']} | {row['method']} | {row['mat']:.3f} | "
+                     f"{row['tokens_per_s']:.2f} | {row['verified_tokens_per_step']} | "
+                     f"{fmt(row.get('draft_forwards_per_step'))} | "
+                     f"{fmt(row.get('accepted_share_retrieved'))} | "
+                     f"{fmt(row.get('matrix_hit_rate'))} | {fmt(row.get('bookkeeping_share'))} |")
+    if results.get("ablations"):
+        lines += ["", "## Ablations (graft)", "", "| knob | value | dataset | MAT | tokens/s |",
+                  "|---|---|---|---|---|"]
+        for row in results["ablations"]:
+            lines.append(f"| {row['knob']} | {row['value']} | {row['dataset']} | "
+                         f"{row['mat']:.3f} | {row['tokens_per_s']:.2f} |")
+    if results.get("notes"):
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in results["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def plots(results: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    means = method_means(results)
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for method, m in means.items():
+        ax.scatter(m["tokens_per_s"], m["mat"], s=60)
+        ax.annotate(method, (m["tokens_per_s"], m["mat"]), textcoords="offset points",
+                    xytext=(5, 4))
+    ax.set_xlabel("tokens / s (this machine)")
+    ax.set_ylabel("mean accepted tokens per step (MAT)")
+    ax.set_title("MAT vs speed")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    written.append(out / "mat_vs_speed.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+
+    rows = _rows(results)
+    dataset_names = sorted({r["dataset"] for r in rows})
+    method_names = list(means)
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(dataset_names) + 2), 4.5))
+    width = 0.8 / max(len(method_names), 1)
+    for i, method in enumerate(method_names):
+        values = [next((r["mat"] for r in rows if r["method"] == method and r["dataset"] == d), 0)
+                  for d in dataset_names]
+        ax.bar([x + i * width for x in range(len(dataset_names))], values, width, label=method)
+    ax.set_xticks([x + width * (len(method_names) - 1) / 2 for x in range(len(dataset_names))])
+    ax.set_xticklabels(dataset_names, rotation=20)
+    ax.set_ylabel("MAT")
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title("MAT per dataset")
+    fig.tight_layout()
+    written.append(out / "mat_per_dataset.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+
+    ablations = results.get("ablations") or []
+    knobs = sorted({r["knob"] for r in ablations})
+    if knobs:
+        fig, axes = plt.subplots(1, len(knobs), figsize=(4 * len(knobs), 3.5))
+        axes = axes if len(knobs) > 1 else [axes]
+        for ax, knob in zip(axes, knobs):
+            values = defaultdict(list)
+            for r in ablations:
+                if r["knob"] == knob:
+                    values[str(r["value"])].append(r["mat"])
+            labels = list(values)
+            ax.plot(labels, [sum(v) / len(v) for v in values.values()], marker="o")
+            ax.set_title(knob)
+            ax.set_ylabel("MAT")
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        written.append(out / "ablations.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
+    return written

@@ -1,0 +1,249 @@
+"""One benchmark run: every method on the same prompts, one engine configuration.
+
+Per method one in-process vLLM engine is started with the same settings (dtype, context
+length, batch size); each dataset is generated as one batch and the engine's counters
+are read before and after, so every number comes from the same run. Greedy outputs of
+every method are compared with plain decoding token by token.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from vllm_graft.assets import datasets
+from vllm_graft.bench.methods import Method, methods
+from vllm_graft.cli.common import counter_delta, counters, engine, render_prompts
+
+
+@dataclass
+class BenchConfig:
+    target: str
+    head: str
+    out: Path
+    cache_dir: Path
+    methods: list[str]
+    datasets: list[str]
+    prompts: int = 10
+    max_tokens: int = 128
+    budget: int = 60
+    chain_tokens: int = 5
+    warmup: str | None = None
+    calibration: str | None = None
+    dtype: str = "float32"
+    max_num_seqs: int = 16
+    ablations: bool = False
+    ablation_datasets: list[str] = field(default_factory=lambda: ["humaneval", "mtbench"])
+    command: str = ""
+
+
+def load_dataset(name: str, tokenizer, cache_dir: Path, limit: int) -> list[datasets.Prompt]:
+    if name == "humaneval":
+        return datasets.humaneval(cache_dir, limit)
+    if name == "mtbench":
+        return datasets.mtbench(cache_dir, limit)
+    if name == "gsm8k":
+        return datasets.gsm8k(cache_dir, limit)
+    kind, _, size = name.partition("-")
+    tokens = int(size.rstrip("k")) * 1024
+    if kind == "essays":
+        return datasets.essays(cache_dir, tokenizer, tokens, limit=min(limit, 4))
+    if kind == "code":
+        return datasets.stdlib_code(tokenizer, tokens, limit=min(limit, 4))
+    raise ValueError(f"unknown dataset {name!r}")
+
+
+def measure(llm, rendered, max_tokens: int) -> tuple[list[list[int]], dict, float]:
+    from vllm import SamplingParams
+
+    before = counters(llm)
+    start = time.perf_counter()
+    outputs = llm.generate(rendered, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                    ignore_eos=True), use_tqdm=False)
+    seconds = time.perf_counter() - start
+    return [list(o.outputs[0].token_ids) for o in outputs], \
+        counter_delta(counters(llm), before), seconds
+
+
+def summarize(method: Method, delta: dict, tokens: int, seconds: float,
+              chain_tokens: int) -> dict:
+    drafts = delta.get("spec_decode_num_drafts", 0) or 0
+    accepted = delta.get("spec_decode_num_accepted_tokens", 0) or 0
+    row = {"generated_tokens": tokens, "seconds": round(seconds, 3),
+           "tokens_per_s": round(tokens / seconds, 2) if seconds else 0.0,
+           "mat": round(1 + accepted / drafts, 3) if drafts else 1.0,
+           "verification_steps": drafts,
+           "verified_tokens_per_step": round(1 + delta.get("spec_decode_num_draft_tokens", 0)
+                                             / drafts, 2) if drafts else 1.0}
+    if method.kind == "graft":
+        trees = delta.get("graft_trees_built", 0) or 0
+        row["draft_forwards_per_step"] = round(delta.get("graft_draft_forwards", 0) / trees, 3) \
+            if trees else 0.0
+        by_source = {s: delta.get(f"graft_accepted_{s}", 0) for s in ("draft", "retrieved", "both")}
+        total = sum(by_source.values())
+        row["accepted_share_retrieved"] = round(by_source["retrieved"] / total, 3) if total else 0.0
+        row["accepted_share_both"] = round(by_source["both"] / total, 3) if total else 0.0
+        lookups = delta.get("graft_retrieval_lookups", 0)
+        row["matrix_hit_rate"] = round(delta.get("graft_retrieval_hits", 0) / lookups, 3) \
+            if lookups else None
+        row["bookkeeping_share"] = round(delta.get("graft_bookkeeping_us", 0) / 1e6 / seconds, 4) \
+            if seconds else None
+        row["draft_forward_share"] = round(delta.get("graft_draft_forward_us", 0) / 1e6 / seconds, 4) \
+            if seconds else None
+        row["stages"] = {k.removeprefix("graft_stage_"): v for k, v in delta.items()
+                         if k.startswith("graft_stage_") and v}
+    elif method.name == "eagle3":
+        row["draft_forwards_per_step"] = float(chain_tokens)
+    else:
+        row["draft_forwards_per_step"] = 0.0
+    return row
+
+
+def suffix_available() -> bool:
+    try:
+        import arctic_inference  # noqa: F401  (probing only)
+    except Exception:
+        return False
+    return True
+
+
+def run_methods(config: BenchConfig, prompt_sets: dict, rendered: dict, method_list,
+                max_model_len: int, extra_graft: dict | None = None, label: str | None = None):
+    rows, outputs = [], {}
+    for method in tqdm(method_list, desc=label or "methods", unit="method"):
+        spec = method.speculative_config(config.head, config.warmup, config.calibration)
+        if spec is not None and extra_graft and method.kind == "graft":
+            spec["graft"].update(extra_graft)
+        started = time.time()
+        with engine(config.target, spec, dtype=config.dtype, max_model_len=max_model_len,
+                    max_num_seqs=config.max_num_seqs) as llm:
+            for name in prompt_sets:
+                tokens, delta, seconds = measure(llm, rendered[name], config.max_tokens)
+                outputs[(method.name, name)] = tokens
+                row = summarize(method, delta, sum(len(t) for t in tokens), seconds,
+                                config.chain_tokens)
+                rows.append({"method": method.name, "dataset": name, "prompts": len(tokens),
+                             **row})
+        rows.append({"method": method.name, "dataset": "_engine",
+                     "wall_seconds": round(time.time() - started, 1)})
+    return rows, outputs
+
+
+def run_bench(config: BenchConfig) -> dict:
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.target)
+    max_positions = AutoConfig.from_pretrained(config.target).max_position_embeddings
+    all_methods = methods(config.budget, config.chain_tokens)
+    notes = []
+    chosen = []
+    for name in config.methods:
+        if name == "suffix" and not suffix_available():
+            notes.append("suffix: skipped, arctic-inference is not installed")
+            continue
+        chosen.append(all_methods[name])
+
+    prompt_sets, rendered, longest = {}, {}, 0
+    for name in config.datasets:
+        prompts = load_dataset(name, tokenizer, config.cache_dir, config.prompts)
+        ids = render_prompts(tokenizer, prompts)
+        fits = [(p, r) for p, r in zip(prompts, ids)
+                if len(r["prompt_token_ids"]) + config.max_tokens + config.budget + 8
+                <= max_positions]
+        if len(fits) < len(prompts):
+            notes.append(f"{name}: {len(prompts) - len(fits)} prompts longer than the "
+                         f"model's {max_positions} positions were left out")
+        if not fits:
+            continue
+        prompt_sets[name] = [p for p, _ in fits]
+        rendered[name] = [r for _, r in fits]
+        longest = max(longest, max(len(r["prompt_token_ids"]) for r in rendered[name]))
+    max_model_len = min(max_positions, longest + config.max_tokens + config.budget + 16)
+
+    rows, outputs = run_methods(config, prompt_sets, rendered, chosen, max_model_len)
+    agreement = {}
+    if "plain" in [m.name for m in chosen]:
+        for method in chosen:
+            same = total = 0
+            for name in prompt_sets:
+                for a, b in zip(outputs[("plain", name)], outputs[(method.name, name)]):
+                    same += int(a == b)
+                    total += 1
+            agreement[method.name] = {"identical": same, "total": total}
+
+    ablations = []
+    if config.ablations:
+        ablations = run_ablations(config, prompt_sets, rendered, max_model_len)
+    return {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
+        "machine": machine_description(),
+        "max_model_len": max_model_len,
+        "datasets": {name: len(p) for name, p in prompt_sets.items()},
+        "rows": rows,
+        "greedy_agreement_with_plain": agreement,
+        "ablations": ablations,
+        "notes": notes,
+    }
+
+
+def run_ablations(config: BenchConfig, prompt_sets, rendered, max_model_len) -> list[dict]:
+    """Graft with one knob changed at a time, on the ablation datasets."""
+    from vllm_graft.cli.warmup import run_warmup
+
+    subset = {k: v for k, v in prompt_sets.items() if k in config.ablation_datasets} \
+        or dict(list(prompt_sets.items())[:1])
+    subset_rendered = {k: rendered[k] for k in subset}
+    graft = methods(config.budget)["graft"]
+    cold = Method("graft", "graft", graft=graft.graft, uses_retrieval=False)  # no warm-up file
+    variants = [("warmup_rounds", 0, cold, {})]
+    if config.warmup:
+        variants.append(("warmup_rounds", "warm", graft, {}))
+    variants += [("retrieval_depth", d, graft, {"retrieval_depth": d}) for d in (2, 4, 8, 12)]
+    for width in (4, 8, 16):
+        extra = {"retrieval_width": width}
+        if width > 8:  # a wider template needs a matrix that stores more successors
+            path = config.out / f"warmup-k{width}.bin"
+            if not path.is_file():
+                run_warmup(config.target, config.head, path, rounds=5, max_tokens=256,
+                           cache_dir=config.cache_dir, budget=config.budget,
+                           dtype=config.dtype, extra_graft={"successor_k": width,
+                                                            "retrieval_width": width})
+            extra.update(successor_k=width, warmup=str(path))
+        variants.append(("retrieval_width", width, graft, extra))
+    out = []
+    for knob, value, method, extra in variants:
+        rows, _ = run_methods(config, subset, subset_rendered, [method], max_model_len,
+                              extra_graft=extra, label=f"ablation {knob}={value}")
+        out += [{"knob": knob, "value": value, **row} for row in rows
+                if row["dataset"] != "_engine"]
+    return out
+
+
+def machine_description() -> dict:
+    import os
+
+    import torch
+
+    cpu = ""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu or platform.processor(), "cores": os.cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "platform": platform.platform()}
+
+
+def write_results(results: dict, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    path.write_text(json.dumps(results, indent=2))
+    return path

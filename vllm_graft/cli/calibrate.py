@@ -1,0 +1,108 @@
+"""``vllm-graft calibrate``: fit the pruning thresholds on a few warm-up conversations.
+
+    vllm-graft calibrate MODEL --head HEAD --warmup successor.bin --out calibration.json
+
+1. A dense-tree run (no pruning, no retrieval) records, for every tree, the drafter's
+   best-path confidence after each step and the accepted path, which tells how many
+   accepted tokens a tree stopped at checkpoint ``i`` would have kept.
+2. One run per checkpoint with pruning forced there measures what retrieval adds in
+   the freed slots (with the warmed-up successor matrix).
+3. A coordinate search picks the thresholds that maximise accepted tokens per unit of
+   step cost, a step costing ``1 + draft_cost * draft_forwards`` (verification = 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from vllm_graft.assets import datasets
+from vllm_graft.assets.pypi import default_cache_dir
+from vllm_graft.cli.common import (corpus_sha256, counter_delta, counters, engine,
+                                   graft_config_dict, render_prompts)
+
+
+def run_calibration(model: str, head: str, out: Path, *, warmup: str | None, rounds: int,
+                    max_tokens: int, cache_dir: Path, draft_cost: float, budget: int = 60,
+                    dtype: str = "float32", max_model_len: int = 4096, offset: int = 100
+                    ) -> dict:
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    from vllm_graft.core.calibration import (CALIBRATION_FORMAT_VERSION, Calibration,
+                                             ModelIdentity, TreeRecord, fingerprint_model,
+                                             fit_thresholds)
+    from vllm_graft.core.config import GraftConfig
+    from vllm_graft.vllm.rpc import start_tree_recording, take_tree_records
+
+    config = GraftConfig(budget=budget)
+    prompts = datasets.sharegpt(cache_dir, limit=rounds, offset=offset)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rendered = render_prompts(tokenizer, prompts)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    extra = {"warmup": warmup} if warmup else {}
+    start = time.time()
+
+    dense = graft_config_dict(head, budget=budget, variant="dense_tree", **extra)
+    with engine(model, dense, dtype=dtype, max_model_len=max_model_len) as llm:
+        llm.collective_rpc(start_tree_recording)
+        llm.generate(rendered, params, use_tqdm=True)
+        raw = llm.collective_rpc(take_tree_records)[0]
+    records = [TreeRecord.from_dense_tree(r["depths"], r["accepted_rows"], r["confidence"],
+                                          config.checkpoints, config.draft_keep) for r in raw]
+    kept_mean = [sum(r.kept_accepted[i] for r in records) / max(len(records), 1)
+                 for i in range(len(config.checkpoints))]
+
+    gains = []
+    for i in range(len(config.checkpoints)):
+        forced = [0.0] * len(config.checkpoints)
+        forced[i] = 1.0  # confidence never exceeds 1: every tree stops at checkpoint i
+        spec = graft_config_dict(head, budget=budget, thresholds=forced, **extra)
+        with engine(model, spec, dtype=dtype, max_model_len=max_model_len) as llm:
+            before = counters(llm)
+            llm.generate(rendered, params, use_tqdm=True)
+            d = counter_delta(counters(llm), before)
+        hybrid = d["spec_decode_num_accepted_tokens"] / max(d["spec_decode_num_drafts"], 1)
+        gains.append(max(hybrid - kept_mean[i], 0.0))
+
+    thresholds, fit = fit_thresholds(records, config.checkpoints, tuple(gains),
+                                     config.max_depth, draft_cost=draft_cost)
+    calibration = Calibration(
+        format_version=CALIBRATION_FORMAT_VERSION, checkpoints=config.checkpoints,
+        thresholds=thresholds, budget=config.budget, draft_keep=config.draft_keep,
+        template="best_first",
+        target=ModelIdentity(name=Path(model).name, fingerprint=fingerprint_model(model)),
+        drafter=ModelIdentity(name=Path(head).name, fingerprint=fingerprint_model(head)),
+        warmup_corpus_sha256=corpus_sha256(prompts),
+        fit={**fit, "kept_accepted_mean": [round(k, 3) for k in kept_mean],
+             "seconds": round(time.time() - start, 1), "rounds": rounds,
+             "warmup_file": warmup})
+    calibration.save(out)
+    return calibration.model_dump(mode="json")
+
+
+def main(argv=None) -> int:
+    from vllm_graft.cli.main import cpu_runtime_defaults
+
+    p = argparse.ArgumentParser(prog="vllm-graft calibrate",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("model")
+    p.add_argument("--head", required=True)
+    p.add_argument("--warmup", help="successor matrix from `vllm-graft warmup`")
+    p.add_argument("--rounds", type=int, default=5, help="calibration conversations")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--draft-cost", type=float, default=0.1,
+                   help="cost of one draft step relative to one verification")
+    p.add_argument("--budget", type=int, default=60)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--cache-dir", type=Path, default=None)
+    args = p.parse_args(argv)
+    cpu_runtime_defaults()
+    result = run_calibration(args.model, args.head, args.out, warmup=args.warmup,
+                             rounds=args.rounds, max_tokens=args.max_tokens,
+                             cache_dir=args.cache_dir or default_cache_dir(),
+                             draft_cost=args.draft_cost, budget=args.budget, dtype=args.dtype)
+    print({"thresholds": result["thresholds"], **result["fit"]})
+    return 0

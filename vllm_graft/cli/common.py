@@ -1,0 +1,75 @@
+"""Shared pieces of the engine-driving commands (warmup, calibrate, bench)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import json
+from pathlib import Path
+
+from vllm_graft.assets.datasets import Prompt
+
+
+def render_prompts(tokenizer, prompts: list[Prompt]):
+    """Token prompts: chat prompts through the model's chat template, raw text as is."""
+    from vllm.inputs import TokensPrompt
+
+    from vllm_graft.training.data import chat_prompt_ids
+
+    return [TokensPrompt(prompt_token_ids=chat_prompt_ids(tokenizer, p)) for p in prompts]
+
+
+def corpus_sha256(prompts: list[Prompt]) -> str:
+    h = hashlib.sha256()
+    for p in prompts:
+        h.update(json.dumps([p.source, p.chat, p.text]).encode())
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def engine(model: str, speculative_config=None, **options):
+    """An LLM that is shut down when the block ends."""
+    from vllm import LLM
+
+    settings = dict(model=model, dtype="float32", max_model_len=4096, enforce_eager=True,
+                    seed=0, max_num_seqs=16, disable_log_stats=False)
+    settings.update(options)
+    llm = LLM(speculative_config=speculative_config, **settings)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def counters(llm) -> dict:
+    """Speculative-decoding and Graft counters (cumulative)."""
+    out = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith(("vllm:spec_decode", "vllm:graft")):
+            value = getattr(metric, "values", getattr(metric, "value", None))
+            out[metric.name.removeprefix("vllm:")] = value
+    return out
+
+
+def counter_delta(after: dict, before: dict) -> dict:
+    out = {}
+    for key, value in after.items():
+        old = before.get(key, 0 if not isinstance(value, list) else [])
+        if isinstance(value, list):
+            old = list(old) + [0] * (len(value) - len(old))
+            out[key] = [a - b for a, b in zip(value, old)]
+        else:
+            out[key] = value - old
+    return out
+
+
+def graft_config_dict(head: str | Path, **graft) -> dict:
+    return {"method": "graft", "model": str(head), "graft": graft}
+
+
+def write_json(path: Path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2))

@@ -1,0 +1,49 @@
+"""Functions run inside the workers through ``LLM.collective_rpc`` (they receive the
+worker as first argument), so tools work whether the engine runs in-process or not."""
+
+from __future__ import annotations
+
+_RECORDS: list[dict] = []
+
+
+def _proposer(worker):
+    runner = getattr(worker, "model_runner", None)
+    drafter = getattr(runner, "drafter", None)
+    if drafter is None or not hasattr(drafter, "matrix"):
+        raise RuntimeError("this engine does not run Graft")
+    return drafter
+
+
+def save_successor_matrix(worker, path: str, metadata: dict) -> dict:
+    drafter = _proposer(worker)
+    size = drafter.matrix.save(path, metadata)
+    return {"bytes": size, "rows": int(drafter.matrix.touched_rows().numel()),
+            "memory_bytes": drafter.matrix.nbytes}
+
+
+def start_tree_recording(worker) -> None:
+    """Record every verified tree (its shape, drafting confidences, accepted rows)."""
+    from vllm_graft.vllm import runner
+
+    _proposer(worker)
+    _RECORDS.clear()
+    if _record not in runner.TREE_OBSERVERS:
+        runner.TREE_OBSERVERS.append(_record)
+
+
+def take_tree_records(worker) -> list[dict]:
+    from vllm_graft.vllm import runner
+
+    if _record in runner.TREE_OBSERVERS:
+        runner.TREE_OBSERVERS.remove(_record)
+    out = list(_RECORDS)
+    _RECORDS.clear()
+    return out
+
+
+def _record(tree, accepted_rows: list[int]) -> None:
+    pending = tree.tree
+    confidence = pending.confidence.tolist() if pending.confidence is not None else []
+    _RECORDS.append({"depths": pending.depths.tolist(), "source": pending.source.tolist(),
+                     "stage": pending.stage, "confidence": confidence,
+                     "accepted_rows": accepted_rows})
