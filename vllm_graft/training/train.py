@@ -1,4 +1,8 @@
-"""The training loop of the EAGLE-3 head (CPU-friendly, float32)."""
+"""The training loop of the EAGLE-3 head (CPU-friendly, float32).
+
+Loss per training-time-test step ``k`` (weighted ``step_weight ** (k - 1)``): a mix of
+cross-entropy against the target's next-token distribution restricted to the draft
+vocabulary (soft) and against its argmax (hard)."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from vllm_graft.training.data import load_shards
@@ -67,7 +72,8 @@ def _collate(sequences, index, max_len):
 def train_head(target_dir: Path, features_dir: Path, out_dir: Path, *, draft_vocab: int,
                aux_layers: tuple[int, ...], steps: int = 3, epochs: int = 2, lr: float = 5e-4,
                max_len: int = 640, batch_tokens: int = 2048, seed: int = 0,
-               step_weight: float = 0.8, threads: int | None = None) -> dict:
+               step_weight: float = 0.8, soft_weight: float = 0.5,
+               threads: int | None = None) -> dict:
     from transformers import AutoModelForCausalLM
 
     if threads:
@@ -93,8 +99,9 @@ def train_head(target_dir: Path, features_dir: Path, out_dir: Path, *, draft_voc
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
     plan = [b for _ in range(epochs) for b in _batches(sequences, max_len, batch_tokens, seed + _)]
     total = len(plan)
+    warmup = max(1, min(50, total // 10))
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda i: min(1.0, (i + 1) / 50) * 0.5 * (1 + math.cos(math.pi * i / total)))
+        optimizer, lambda i: min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * i / total)))
     start = time.time()
     trained_tokens = 0
     history = []
@@ -116,7 +123,11 @@ def train_head(target_dir: Path, features_dir: Path, out_dir: Path, *, draft_voc
             with torch.no_grad():
                 target_probs = (label_at[usable] @ target_rows.T).softmax(-1)
             log_probs = pred[usable].float().log_softmax(-1)
-            step_loss = -(target_probs * log_probs).sum(-1).mean()
+            # soft labels teach the target's distribution (sampling), the hard label its
+            # greedy choice, which a flat distribution alone hardly conveys
+            soft = -(target_probs * log_probs).sum(-1).mean()
+            hard = F.nll_loss(log_probs, target_probs.argmax(-1))
+            step_loss = soft_weight * soft + (1 - soft_weight) * hard
             loss = loss + (step_weight ** (k - 1)) * step_loss
             parts.append(float(step_loss))
             accuracy.append(float((log_probs.argmax(-1) == target_probs.argmax(-1)).float().mean()))

@@ -34,7 +34,7 @@ def test_trained_head_is_served_and_accepted(tiny_models, tmp_path):
     features = extract_features(str(tiny_models.target), read_answers(answers),
                                 tmp_path / "features", aux_layers=aux)
     report = train_head(tiny_models.target, features, tmp_path / "head", draft_vocab=1024,
-                        aux_layers=aux, steps=3, epochs=6, lr=2e-3, batch_tokens=1024)
+                        aux_layers=aux, steps=3, epochs=20, lr=2e-3, batch_tokens=512)
     config = json.loads((tmp_path / "head" / "config.json").read_text())
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     assert report["trained_tokens"] > 0 and report["final_top1_accuracy_by_step"][0] > 0.5
