@@ -8,8 +8,6 @@ checked bit for bit.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,22 +40,13 @@ def tiny_models(tmp_path_factory) -> TinyModels:
         sharp=sharp, sharp_head=build_eagle3_head(sharp, root / "sharp-head"))
 
 
-@contextlib.contextmanager
 def running_llm(model: Path, speculative_config=None, **kwargs):
-    """An in-process engine that is shut down when the block ends, failing or not: its
-    finaliser would otherwise tear down the distributed state of the next engine."""
-    from vllm import LLM
+    """An in-process engine shut down when the block ends, failing or not (its
+    finaliser would otherwise tear down the distributed state of the next engine)."""
+    from vllm_graft.cli.common import engine
 
-    options = dict(model=str(model), dtype="float32", max_model_len=1024, enforce_eager=True,
-                   seed=0, max_num_seqs=8, disable_log_stats=False)
-    options.update(kwargs)
-    llm = LLM(speculative_config=speculative_config, **options)
-    try:
-        yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+    return engine(str(model), speculative_config,
+                  **{"max_model_len": 1024, "max_num_seqs": 8, **kwargs})
 
 
 def graft_spec(head: Path, **graft) -> dict:

@@ -122,10 +122,7 @@ def plots(results: dict, out: Path) -> list[Path]:
     ax.set_ylabel("mean accepted tokens per step (MAT)")
     ax.set_title("MAT vs speed")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    written.append(out / "mat_vs_speed.png")
-    fig.savefig(written[-1], dpi=120)
-    plt.close(fig)
+    written.append(_save(fig, out / "mat_vs_speed.png"))
 
     rows = _rows(results)
     dataset_names = sorted({r["dataset"] for r in rows})
@@ -141,10 +138,7 @@ def plots(results: dict, out: Path) -> list[Path]:
     ax.set_ylabel("MAT")
     ax.legend(fontsize=7, ncol=2)
     ax.set_title("MAT per dataset")
-    fig.tight_layout()
-    written.append(out / "mat_per_dataset.png")
-    fig.savefig(written[-1], dpi=120)
-    plt.close(fig)
+    written.append(_save(fig, out / "mat_per_dataset.png"))
 
     ablations = results.get("ablations") or []
     knobs = sorted({r["knob"] for r in ablations})
@@ -161,8 +155,14 @@ def plots(results: dict, out: Path) -> list[Path]:
             ax.set_title(knob)
             ax.set_ylabel("MAT")
             ax.grid(alpha=0.3)
-        fig.tight_layout()
-        written.append(out / "ablations.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+        written.append(_save(fig, out / "ablations.png"))
     return written
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

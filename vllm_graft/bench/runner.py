@@ -105,11 +105,10 @@ def summarize(method: Method, delta: dict, tokens: int, seconds: float,
 
 
 def suffix_available() -> bool:
-    try:
-        import arctic_inference  # noqa: F401  (probing only)
-    except Exception:
-        return False
-    return True
+    """vLLM's ``suffix`` method needs the arctic-inference package."""
+    import importlib.util
+
+    return importlib.util.find_spec("arctic_inference") is not None
 
 
 def run_methods(config: BenchConfig, prompt_sets: dict, rendered: dict, method_list,

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from vllm_graft.assets import datasets
 from vllm_graft.assets.pypi import default_cache_dir
-from vllm_graft.cli.common import (corpus_sha256, counter_delta, counters, engine,
-                                   graft_config_dict, render_prompts)
+from vllm_graft.cli.common import (add_engine_arguments, corpus_sha256, counter_delta,
+                                   counters, engine, graft_config_dict, render_prompts)
 
 
 def run_calibration(model: str, head: str, out: Path, *, warmup: str | None, rounds: int,
@@ -88,16 +88,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="vllm-graft calibrate",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("model")
-    p.add_argument("--head", required=True)
     p.add_argument("--warmup", help="successor matrix from `vllm-graft warmup`")
     p.add_argument("--rounds", type=int, default=5, help="calibration conversations")
-    p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--draft-cost", type=float, default=0.1,
                    help="cost of one draft step relative to one verification")
-    p.add_argument("--budget", type=int, default=60)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--cache-dir", type=Path, default=None)
+    add_engine_arguments(p)
     args = p.parse_args(argv)
     cpu_runtime_defaults()
     result = run_calibration(args.model, args.head, args.out, warmup=args.warmup,

@@ -66,6 +66,17 @@ def counter_delta(after: dict, before: dict) -> dict:
     return out
 
 
+def add_engine_arguments(parser) -> None:
+    """The arguments every engine-driving tool takes after MODEL."""
+    parser.add_argument("--head", required=True, help="EAGLE-3 head directory")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--budget", type=int, default=60)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="default: $VLLM_GRAFT_CACHE or ~/.cache/vllm-graft")
+
+
 def graft_config_dict(head: str | Path, **graft) -> dict:
     return {"method": "graft", "model": str(head), "graft": graft}
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from vllm_graft.assets import datasets
 from vllm_graft.assets.pypi import default_cache_dir
-from vllm_graft.cli.common import corpus_sha256, engine, graft_config_dict, render_prompts
+from vllm_graft.cli.common import (add_engine_arguments, corpus_sha256, engine,
+                                   graft_config_dict, render_prompts)
 
 
 def run_warmup(model: str, head: str, out: Path, *, rounds: int, max_tokens: int,
@@ -50,13 +51,8 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="vllm-graft warmup", description=__doc__.split("\n\n")[0])
     p.add_argument("model")
-    p.add_argument("--head", required=True, help="EAGLE-3 head directory")
     p.add_argument("--rounds", type=int, default=5, help="warm-up conversations (ShareGPT)")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--budget", type=int, default=60)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--cache-dir", type=Path, default=None)
+    add_engine_arguments(p)
     args = p.parse_args(argv)
     cpu_runtime_defaults()
     report = run_warmup(args.model, args.head, args.out, rounds=args.rounds,

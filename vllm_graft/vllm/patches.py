@@ -120,6 +120,8 @@ def _patch_runner() -> list[Patch]:
     from vllm_graft.vllm.proposer import GraftDraftModelProposer, GraftProposer
     from vllm_graft.vllm.tree_attention import active_plan, check_impl_supported, kv_reader
 
+    import torch
+
     cls = GPUModelRunner
 
     def on(self) -> bool:
@@ -148,7 +150,7 @@ def _patch_runner() -> list[Patch]:
             for name, layer in layers.items():
                 impl = getattr(layer, "impl", None)
                 kv_cache = getattr(layer, "kv_cache", None)
-                if impl is None or not isinstance(kv_cache, torch_tensor()):
+                if impl is None or not isinstance(kv_cache, torch.Tensor):
                     continue
                 if not hasattr(impl, "do_kv_cache_update"):
                     raise ValueError(f"Graft needs an attention backend with a separate KV "
@@ -231,12 +233,6 @@ def _patch_runner() -> list[Patch]:
                   must_exist=frozenset(names)),
             Patch("graft.logitsprocs", runner_module, {"build_logitsprocs": build_logitsprocs},
                   must_exist=frozenset({"build_logitsprocs"}))]
-
-
-def torch_tensor():
-    import torch
-
-    return torch.Tensor
 
 
 # ---- 12: tree attention ----------------------------------------------------------------
