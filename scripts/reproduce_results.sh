@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Rebuilds everything behind bench/results/: the models, the EAGLE-3 head for
+# SmolLM2-135M-Instruct, then the full side-by-side benchmark with ablations.
+# Hours on a 2-core CPU; each stage is cached and resumes.
+#   scripts/reproduce_results.sh                 # head (if missing) + full benchmark
+#   RETRAIN=1 scripts/reproduce_results.sh       # also retrain the committed head
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+source scripts/runtime-env.sh
+export VLLM_ENABLE_V1_MULTIPROCESSING=0   # in-process engines: fast start, one process
+CACHE=${VLLM_GRAFT_CACHE:-$HOME/.cache/vllm-graft}
+HEAD=assets/heads/smollm2-135m-eagle3
+.venv/bin/vllm-graft prepare-models --models smollm2-135m
+if [ "${RETRAIN:-0}" = 1 ] || [ ! -f "$HEAD/config.json" ]; then
+  .venv/bin/vllm-graft train-head "$CACHE/models/smollm2-135m" --out "$HEAD" \
+    --work-dir "$CACHE/train/smollm2" --prompts 2000 --epochs 2
+fi
+OUT=${OUT:-bench/results/smollm2-135m}
+.venv/bin/vllm-graft bench --target smollm2-135m --head "$HEAD" --out "$OUT" \
+  --prompts 8 --max-tokens 128 --ablations "$@"
