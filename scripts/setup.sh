@@ -13,7 +13,8 @@ if nvidia-smi -L >/dev/null 2>&1; then FLAVOUR=cuda; else FLAVOUR=cpu; fi
 FLAVOUR=${VLLM_GRAFT_FLAVOUR:-$FLAVOUR}
 
 stamp_inputs() {
-  cat requirements/"$FLAVOUR".txt requirements/test.txt setup.py csrc/*.cpp csrc/kernels/* \
+  cat requirements/"$FLAVOUR".txt requirements/test.txt requirements/tools.txt setup.py \
+    csrc/*.cpp csrc/kernels/* \
     | sha256sum | cut -c1-16
 }
 STAMP=$VENV/.vllm-graft-setup-$FLAVOUR-$(stamp_inputs)
@@ -27,7 +28,8 @@ echo "setup: installing into $VENV ($FLAVOUR, $("$PY" --version))"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${PIP[@]}" install -q --upgrade pip
-"${PIP[@]}" install -q -r requirements/"$FLAVOUR".txt -r requirements/test.txt
+"${PIP[@]}" install -q -r requirements/"$FLAVOUR".txt -r requirements/test.txt \
+  -r requirements/tools.txt
 if [ "$FLAVOUR" = cpu ]; then
   # pip pulls CUDA builds of these torch add-ons; they break `from vllm import LLM`
   # ("operator torchvision::nms does not exist"), and triton has no CPU backend.
