@@ -14,16 +14,22 @@ class Method:
     uses_retrieval: bool = False
     note: str = ""
 
-    def speculative_config(self, head: str, warmup: str | None,
-                           calibration: str | None) -> dict | None:
+    def speculative_config(self, head: str, warmup: str | None, calibration: str | None,
+                           drafter: str = "eagle3") -> dict | None:
+        """``head``: the EAGLE-3 head, or the draft model when ``drafter`` is
+        ``draft_model`` (vLLM's chain then uses the draft model too)."""
         if self.kind == "plain":
             return None
         if self.kind == "vllm":
             spec = dict(self.spec)
             if spec.get("model") == "HEAD":
                 spec["model"] = head
+                if drafter == "draft_model":
+                    spec["method"] = "draft_model"
             return spec
         graft = dict(self.graft)
+        if drafter != "eagle3":
+            graft["drafter"] = drafter
         if self.uses_retrieval and warmup and "warmup" not in graft:
             graft["warmup"] = warmup
         if calibration and graft.get("variant", "graft") in ("graft", "prune_only") \
@@ -37,7 +43,8 @@ def methods(budget: int, chain_tokens: int = 5) -> dict[str, Method]:
         "plain": Method("plain", "plain", note="no speculation"),
         "eagle3": Method("eagle3", "vllm", {"method": "eagle3", "model": "HEAD",
                                             "num_speculative_tokens": chain_tokens},
-                         note=f"vLLM's EAGLE-3 chain, {chain_tokens} tokens"),
+                         note=f"vLLM's EAGLE-3 chain (or draft-model chain), "
+                              f"{chain_tokens} tokens"),
         "ngram": Method("ngram", "vllm", {"method": "ngram", "prompt_lookup_max": 4,
                                           "prompt_lookup_min": 2,
                                           "num_speculative_tokens": chain_tokens},

@@ -39,6 +39,7 @@ class BenchConfig:
     max_num_seqs: int = 16
     ablations: bool = False
     ablation_datasets: list[str] = field(default_factory=lambda: ["humaneval", "mtbench"])
+    drafter: str = "eagle3"  # or "draft_model": ``head`` is then a draft model
     command: str = ""
 
 
@@ -97,7 +98,7 @@ def summarize(method: Method, delta: dict, tokens: int, seconds: float,
             if seconds else None
         row["stages"] = {k.removeprefix("graft_stage_"): v for k, v in delta.items()
                          if k.startswith("graft_stage_") and v}
-    elif method.name == "eagle3":
+    elif method.name == "eagle3":  # vLLM's chain: one drafter forward per draft token
         row["draft_forwards_per_step"] = float(chain_tokens)
     else:
         row["draft_forwards_per_step"] = 0.0
@@ -115,7 +116,8 @@ def run_methods(config: BenchConfig, prompt_sets: dict, rendered: dict, method_l
                 max_model_len: int, extra_graft: dict | None = None, label: str | None = None):
     rows, outputs = [], {}
     for method in tqdm(method_list, desc=label or "methods", unit="method"):
-        spec = method.speculative_config(config.head, config.warmup, config.calibration)
+        spec = method.speculative_config(config.head, config.warmup, config.calibration,
+                                         config.drafter)
         if spec is not None and extra_graft and method.kind == "graft":
             spec["graft"].update(extra_graft)
         started = time.time()
@@ -211,7 +213,8 @@ def run_ablations(config: BenchConfig, prompt_sets, rendered, max_model_len) -> 
                 run_warmup(config.target, config.head, path, rounds=5, max_tokens=256,
                            cache_dir=config.cache_dir, budget=config.budget,
                            dtype=config.dtype, extra_graft={"successor_k": width,
-                                                            "retrieval_width": width})
+                                                            "retrieval_width": width,
+                                                            "drafter": config.drafter})
             extra.update(successor_k=width, warmup=str(path))
         variants.append(("retrieval_width", width, graft, extra))
     out = []

@@ -38,6 +38,8 @@ def main(argv=None) -> int:
     p.add_argument("--target", default="smollm2-135m",
                    help="model directory or a prepared model name")
     p.add_argument("--head", help="EAGLE-3 head (default: the committed one for the target)")
+    p.add_argument("--draft-model", help="use this draft model instead of an EAGLE-3 head "
+                   "(a prepared model name or a directory with the target's tokenizer)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--methods", nargs="+", choices=ALL_METHODS, default=ALL_METHODS)
     p.add_argument("--datasets", nargs="+", default=ALL_DATASETS)
@@ -48,6 +50,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup-rounds", type=int, default=5)
     p.add_argument("--calibration", help="calibration file (default: fitted in this run)")
     p.add_argument("--no-calibration", action="store_true", help="use default thresholds")
+    p.add_argument("--draft-cost", type=float, default=0.1,
+                   help="calibration: one draft step's cost relative to a verification")
     p.add_argument("--ablations", action="store_true")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--dtype", default="float32")
@@ -66,9 +70,17 @@ def main(argv=None) -> int:
     target = args.target
     if target in MODELS:
         target = str(prepare_model(target, cache))
-    head = args.head or default_head(args.target)
-    if head is None:
-        p.error(f"no committed head for {args.target!r}; pass --head")
+    drafter = "eagle3"
+    if args.draft_model:
+        drafter = "draft_model"
+        head = args.draft_model
+        if head in MODELS:
+            head = str(prepare_model(head, cache))
+    else:
+        head = args.head or default_head(args.target)
+        if head is None:
+            p.error(f"no committed head for {args.target!r}; pass --head or --draft-model")
+    extra = {"drafter": drafter} if drafter != "eagle3" else {}
     if args.quick:
         args.datasets = [d for d in args.datasets if d in ("humaneval", "mtbench", "gsm8k")]
         args.prompts, args.max_tokens, args.warmup_rounds = 2, 24, 1
@@ -80,19 +92,19 @@ def main(argv=None) -> int:
         if not Path(warmup).is_file():
             run_warmup(target, str(head), Path(warmup), rounds=args.warmup_rounds,
                        max_tokens=64 if args.quick else 256, cache_dir=cache,
-                       budget=args.budget, dtype=args.dtype)
+                       budget=args.budget, dtype=args.dtype, extra_graft=extra)
     calibration = args.calibration
     if calibration is None and not args.no_calibration:
         calibration = str(args.out / "calibration.json")
         if not Path(calibration).is_file():
             run_calibration(target, str(head), Path(calibration), warmup=warmup, rounds=5,
-                            max_tokens=256, cache_dir=cache, draft_cost=0.1,
-                            budget=args.budget, dtype=args.dtype)
+                            max_tokens=256, cache_dir=cache, draft_cost=args.draft_cost,
+                            budget=args.budget, dtype=args.dtype, extra_graft=extra)
     config = BenchConfig(
         target=target, head=str(head), out=args.out, cache_dir=cache, methods=args.methods,
         datasets=args.datasets, prompts=args.prompts, max_tokens=args.max_tokens,
         budget=args.budget, warmup=warmup, calibration=calibration, dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs, ablations=args.ablations,
+        max_num_seqs=args.max_num_seqs, ablations=args.ablations, drafter=drafter,
         command="vllm-graft bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])))
     results = run_bench(config)
     write_results(results, args.out)

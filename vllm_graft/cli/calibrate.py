@@ -25,8 +25,8 @@ from vllm_graft.cli.common import (add_engine_arguments, corpus_sha256, counter_
 
 def run_calibration(model: str, head: str, out: Path, *, warmup: str | None, rounds: int,
                     max_tokens: int, cache_dir: Path, draft_cost: float, budget: int = 60,
-                    dtype: str = "float32", max_model_len: int = 4096, offset: int = 100
-                    ) -> dict:
+                    dtype: str = "float32", max_model_len: int = 4096, offset: int = 100,
+                    extra_graft: dict | None = None) -> dict:
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
@@ -41,7 +41,9 @@ def run_calibration(model: str, head: str, out: Path, *, warmup: str | None, rou
     tokenizer = AutoTokenizer.from_pretrained(model)
     rendered = render_prompts(tokenizer, prompts)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    extra = {"warmup": warmup} if warmup else {}
+    extra = dict(extra_graft or {})
+    if warmup:
+        extra["warmup"] = warmup
     start = time.time()
 
     dense = graft_config_dict(head, budget=budget, variant="dense_tree", **extra)

@@ -66,16 +66,17 @@ def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
 @torch.inference_mode()
 def extract_features(model_dir: str, answers: list[dict], out_dir: Path, *,
                      aux_layers: tuple[int, ...], batch_tokens: int = 4096,
-                     max_len: int = 1024) -> Path:
+                     max_len: int = 1024, dtype: torch.dtype = torch.float32) -> Path:
     """Shards ``features-N.npz``: tokens, loss mask (answer positions), aux [T, 3, H]
-    and final [T, H] hidden states as bf16 (stored as uint16), per sequence. Idempotent."""
+    and final [T, H] hidden states as bf16 (stored as uint16), per sequence. Idempotent.
+    ``dtype`` is the compute dtype (float32: bf16 is emulated, slowly, without AVX-512)."""
     done = out_dir / "features.done"
     if done.is_file():
         return out_dir
     from transformers import AutoModelForCausalLM
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     shard, index, sizes = [], 0, []
     for record in tqdm(answers, desc="features", unit="seq"):
         ids = (record["prompt_ids"] + record["answer_ids"])[:max_len]

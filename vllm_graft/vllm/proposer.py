@@ -143,22 +143,25 @@ class GraftTreeDrafting:
         self.last_build = None
         if not settled:
             return drafts
-        catchup = self._catch_up(runner, settled, aux_hidden_states)
+        uses_drafter = self.settings.config.variant.drafts  # retrieval_only does not
+        catchup = self._catch_up(runner, settled, aux_hidden_states) if uses_drafter else None
         drafting = [i for i, s in enumerate(settled) if s.drafts]
         if not drafting:
             return drafts
-        last_rows, last_hidden, next_hidden = catchup
-        index = torch.tensor(drafting, dtype=torch.long)
         roots = torch.tensor([settled[i].next_tokens[-1] for i in drafting], dtype=torch.long)
-        root_positions = torch.tensor(
-            [settled[i].first_position + len(settled[i].rows) for i in drafting])
-        block_table = self._block_table(runner)
-        batch_rows = torch.tensor([settled[i].batch_row for i in drafting], dtype=torch.long)
-        expander = _TreeExpansion(
-            self, root_logprobs=self._top_k(last_hidden[last_rows[index]]),
-            root_hidden=None if next_hidden is None else next_hidden[last_rows[index]],
-            root_positions=root_positions,
-            block_tables=block_table[batch_rows])
+        expander = None
+        if uses_drafter:
+            last_rows, last_hidden, next_hidden = catchup
+            index = torch.tensor(drafting, dtype=torch.long)
+            root_positions = torch.tensor(
+                [settled[i].first_position + len(settled[i].rows) for i in drafting])
+            batch_rows = torch.tensor([settled[i].batch_row for i in drafting],
+                                      dtype=torch.long)
+            expander = _TreeExpansion(
+                self, root_logprobs=self._top_k(last_hidden[last_rows[index]]),
+                root_hidden=None if next_hidden is None else next_hidden[last_rows[index]],
+                root_positions=root_positions,
+                block_tables=self._block_table(runner)[batch_rows])
         tree, stats = self.tree_builder.build(roots.to(self.device), expander)
         self.last_build = stats
         tree = _to_cpu(tree)

@@ -7,7 +7,7 @@ a runner step:
   whose scheduled drafts are the tree Graft proposed last step, gives each tree row the
   position ``prefix + depth`` (after vLLM computed slots from the linear positions, so
   every row keeps its own KV slot), and builds the tree attention plan;
-* around the target forward: the plan is active (:func:`target_forward_plan`);
+* around the target forward (the ``_model_forward`` patch): the plan is active;
 * instead of the rejection sampler: :func:`sample_with_trees` runs lossless tree
   acceptance, moves the accepted rows' KV into contiguous slots in every layer, and
   lets every verified row teach the successor matrix;
@@ -56,7 +56,7 @@ class GraftStep:
     trees: list[VerifiedTree]
     plan: TreeAttentionPlan | None
     store: TreeKVStore
-    result: AcceptanceResult | None = None  # rows follow ``trees``
+    result: AcceptanceResult | None = None  # rows follow the persistent batch
 
 
 @dataclass
@@ -76,7 +76,7 @@ class GraftStats:
         self.counts[f"{name}_us"] += int(seconds * 1e6)
 
 
-def prepare_tree_verification(runner, scheduler_output) -> GraftStep | None:
+def prepare_tree_verification(runner, scheduler_output) -> GraftStep:
     start = time.perf_counter()
     try:
         return _prepare_tree_verification(runner, scheduler_output)
@@ -84,7 +84,7 @@ def prepare_tree_verification(runner, scheduler_output) -> GraftStep | None:
         runner._graft_stats.add_seconds("bookkeeping", time.perf_counter() - start)
 
 
-def _prepare_tree_verification(runner, scheduler_output) -> GraftStep | None:
+def _prepare_tree_verification(runner, scheduler_output) -> GraftStep:
     proposer: GraftProposer = runner.drafter
     batch = runner.input_batch
     trees: list[VerifiedTree] = []
