@@ -145,3 +145,30 @@ def test_cli_parser_takes_a_file_inline_json_and_config_yaml(tmp_path):
     from_yaml = parser.parse_args(["--config", str(tmp_path / "serve.yaml")])
     assert from_file.speculative_config == inline.speculative_config == spec
     assert from_yaml.speculative_config == spec
+
+
+def test_graft_engines_use_the_v1_runner_and_sync_steps(tiny_models, monkeypatch):
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # even when V2 is asked for
+    args = EngineArgs(model=str(tiny_models.target), dtype="float32", enforce_eager=True,
+                      speculative_config=graft_spec(tiny_models.head, budget=8))
+    config = args.create_engine_config()
+    assert config.use_v2_model_runner is False
+    assert config.scheduler_config.async_scheduling is False
+    assert config.speculative_config.num_speculative_tokens == 8
+    assert config.additional_config["graft"]["budget"] == 8
+
+
+def test_thinking_budgets_are_refused_with_a_clear_error(tiny_models):
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    with running_llm(tiny_models.target, graft_spec(tiny_models.head, budget=8)) as llm:
+        with pytest.raises(VLLMValidationError, match="thinking_token_budget"):
+            llm.generate(["a"], SamplingParams(max_tokens=4, thinking_token_budget=2),
+                         use_tqdm=False)
+        # min_p and logit_bias, which vLLM refuses under speculation, are accepted
+        out = llm.generate(["a"], SamplingParams(max_tokens=4, min_p=0.1, logit_bias={3: 1.0}),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4

@@ -10,7 +10,8 @@ through the general-plugin entry point.
 |---|---|---|
 | 1 | ``engine.arg_utils.EngineArgs.create_speculative_config`` | translate ``method: graft`` |
 | 2 | ``engine.arg_utils.EngineArgs.add_cli_args`` | ``--speculative-config`` takes a file |
-| 2b | ``sampling_params.SamplingParams._validate_spec_decode`` | allow min_p, logit_bias |
+| 2b | ``sampling_params.SamplingParams._validate_spec_decode`` | allow min_p, logit_bias; refuse thinking budgets |
+| 2c | ``config.VllmConfig.use_v2_model_runner`` | Graft engines use the V1 runner |
 | 3 | ``v1.worker.gpu_model_runner.GPUModelRunner.__init__`` | GraftProposer as drafter |
 | 3b | ``v1.worker.gpu_model_runner.build_logitsprocs`` | built-in logits processors on |
 | 4 | ``GPUModelRunner.initialize_kv_cache`` | start-up checks of tree attention |
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from collections import Counter
 
 from vllm_graft.vllm.patching import Patch, call_original
@@ -44,7 +44,9 @@ GRAFT_MARKER = "graft_enabled"
 
 # ---- 1, 2: configuration ----------------------------------------------------------------
 def _patch_engine_args() -> list[Patch]:
+    from vllm.config import VllmConfig
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
 
     from vllm_graft.vllm.config import (ADDITIONAL_CONFIG_KEY, is_graft_spec,
@@ -62,9 +64,9 @@ def _patch_engine_args() -> list[Patch]:
             self.speculative_config = eagle_spec
             self.additional_config = {**(self.additional_config or {}),
                                       ADDITIONAL_CONFIG_KEY: settings}
-            # Tree verification lives in the V1 runner and needs synchronous steps; the
-            # per-step tree logic runs eagerly (no CUDA graphs / compiled attention).
-            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+            # Tree verification needs synchronous steps; the per-step tree logic runs
+            # eagerly (no CUDA graphs / compiled attention). The V1 runner is chosen by
+            # the VllmConfig patch below.
             self.async_scheduling = False
             from vllm.platforms import current_platform
 
@@ -73,7 +75,7 @@ def _patch_engine_args() -> list[Patch]:
                 target_model_config.enforce_eager = True
         config = call_original(EngineArgs, "create_speculative_config")(
             self, target_model_config, target_parallel_config)
-        if is_graft_spec(spec):
+        if config is not None and ADDITIONAL_CONFIG_KEY in (self.additional_config or {}):
             object.__setattr__(config, GRAFT_MARKER, True)
         return config
 
@@ -96,8 +98,20 @@ def _patch_engine_args() -> list[Patch]:
         # vLLM refuses min_p and logit_bias because its chain rejection sampler skips
         # them at draft positions; Graft samples every tree node with the full sampler.
         if getattr(speculative_config, GRAFT_MARKER, False):
+            if self.thinking_token_budget is not None:
+                # vLLM's thinking-budget forcing assumes one sampler row per draft token
+                raise VLLMValidationError(
+                    "thinking_token_budget is not supported with Graft speculative "
+                    "decoding", parameter="thinking_token_budget",
+                    value=self.thinking_token_budget)
             return
         return call_original(SamplingParams, "_validate_spec_decode")(self, speculative_config)
+
+    def use_v2_model_runner(self):
+        # Graft's tree verification lives in the V1 model runner
+        if (self.additional_config or {}).get(ADDITIONAL_CONFIG_KEY) is not None:
+            return False
+        return call_original(VllmConfig, "use_v2_model_runner").fget(self)
 
     return [
         Patch("graft.engine_args", EngineArgs, {
@@ -107,6 +121,9 @@ def _patch_engine_args() -> list[Patch]:
         Patch("graft.sampling_params", SamplingParams,
               {"_validate_spec_decode": _validate_spec_decode},
               must_exist=frozenset({"_validate_spec_decode"})),
+        Patch("graft.model_runner_choice", VllmConfig,
+              {"use_v2_model_runner": property(use_v2_model_runner)},
+              must_exist=frozenset({"use_v2_model_runner"})),
     ]
 
 
@@ -135,6 +152,11 @@ def _patch_runner() -> list[Patch]:
             return
         if vllm_config.model_config.uses_mrope:
             raise ValueError("Graft does not support M-RoPE models")
+        parallel = vllm_config.parallel_config
+        if (parallel.pipeline_parallel_size > 1 or parallel.decode_context_parallel_size > 1
+                or parallel.use_ubatching):
+            raise ValueError("Graft supports tensor parallelism only (no pipeline "
+                             "parallelism, decode context parallelism or micro-batching)")
         proposer = GraftDraftModelProposer \
             if vllm_config.speculative_config.method == "draft_model" else GraftProposer
         self.drafter = proposer(self.vllm_config, self.device, self)

@@ -177,8 +177,10 @@ class GraftTreeDrafting:
         return drafts
 
     def may_draft(self, req_state, root_position: int) -> bool:
-        """A tree needs its rows to fit in the model's context and plain sampling rules."""
-        if root_position + self.settings.config.budget + 1 > self.max_model_len:
+        """A tree needs its rows (and the drafter's) to fit in the context, and a request
+        whose options depend on earlier tokens is decoded plainly."""
+        config = self.settings.config
+        if root_position + max(config.budget, config.max_depth) + 1 > self.max_model_len:
             return False
         return plain_decoding_reason(req_state.sampling_params,
                                      len(req_state.output_token_ids)) is None
@@ -292,16 +294,16 @@ class GraftDraftModelProposer(GraftTreeDrafting, DraftModelProposer):
 
     def __init__(self, vllm_config, device, runner=None):
         super().__init__(vllm_config, device, runner)
+        if self.use_heterogeneous_vocab:
+            raise ValueError("Graft's draft model must share the target's vocabulary")
         self._init_graft(vllm_config, device)
 
     def _catch_up_inputs(self, settled: SettledRows) -> tuple[list[int], list[int]]:
+        # The first settled position is fed again: after a fresh prompt, a prefix-cache
+        # hit or a resume the drafter has not seen it; otherwise it rewrites equal KV.
         first = settled.first_position
-        tokens = list(settled.next_tokens)
-        positions = list(range(first + 1, first + 1 + len(settled.rows)))
-        if first == 0:  # a fresh prompt: the drafter has not seen position 0 yet
-            tokens.insert(0, settled.first_token)
-            positions.insert(0, 0)
-        return tokens, positions
+        tokens = [settled.first_token, *settled.next_tokens]
+        return tokens, list(range(first, first + 1 + len(settled.rows)))
 
     def _forward(self, input_ids, positions, hidden):
         return self.model(input_ids=input_ids, positions=positions, inputs_embeds=None), None

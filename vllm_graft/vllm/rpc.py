@@ -14,7 +14,10 @@ def _proposer(worker):
     return drafter
 
 
-def save_successor_matrix(worker, path: str, metadata: dict) -> dict:
+def save_successor_matrix(worker, path: str, metadata: dict) -> dict | None:
+    """Rank 0 writes the file (tensor-parallel ranks hold bit-identical matrices)."""
+    if getattr(worker, "rank", 0) != 0:
+        return None
     drafter = _proposer(worker)
     size = drafter.matrix.save(path, metadata)
     return {"bytes": size, "rows": int(drafter.matrix.touched_rows().numel()),
