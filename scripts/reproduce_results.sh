@@ -17,5 +17,7 @@ if [ "${RETRAIN:-0}" = 1 ] || [ ! -f "$HEAD/config.json" ]; then
     --work-dir "$CACHE/train/smollm2" --prompts 2000 --epochs 2
 fi
 OUT=${OUT:-bench/results/smollm2-135m}
+# SmolLM2 has 8K positions: the long-code stand-ins are 1K / 2K / 4K / 7K tokens
 .venv/bin/vllm-graft bench --target smollm2-135m --head "$HEAD" --out "$OUT" \
-  --prompts 8 --max-tokens 128 --ablations "$@"
+  --datasets humaneval mtbench gsm8k essays-4k code-1k code-2k code-4k code-7k \
+  --prompts 6 --max-tokens 96 --ablations "$@"
