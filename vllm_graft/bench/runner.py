@@ -9,8 +9,10 @@ every method are compared with plain decoding token by token.
 from __future__ import annotations
 
 import json
+import os
 import platform
-import time
+import subprocess
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from tqdm import tqdm
 
 from vllm_graft.assets import datasets
 from vllm_graft.bench.methods import Method, methods
-from vllm_graft.cli.common import counter_delta, counters, engine, render_prompts
+from vllm_graft.cli.common import render_prompts
 
 
 @dataclass
@@ -57,18 +59,6 @@ def load_dataset(name: str, tokenizer, cache_dir: Path, limit: int) -> list[data
     if kind == "code":
         return datasets.stdlib_code(tokenizer, tokens, limit=min(limit, 4))
     raise ValueError(f"unknown dataset {name!r}")
-
-
-def measure(llm, rendered, max_tokens: int) -> tuple[list[list[int]], dict, float]:
-    from vllm import SamplingParams
-
-    before = counters(llm)
-    start = time.perf_counter()
-    outputs = llm.generate(rendered, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                    ignore_eos=True), use_tqdm=False)
-    seconds = time.perf_counter() - start
-    return [list(o.outputs[0].token_ids) for o in outputs], \
-        counter_delta(counters(llm), before), seconds
 
 
 def summarize(method: Method, delta: dict, tokens: int, seconds: float,
@@ -112,26 +102,47 @@ def suffix_available() -> bool:
     return importlib.util.find_spec("arctic_inference") is not None
 
 
-def run_methods(config: BenchConfig, prompt_sets: dict, rendered: dict, method_list,
-                max_model_len: int, extra_graft: dict | None = None, label: str | None = None):
+def run_engine(config: BenchConfig, spec: dict | None, prompt_ids: dict[str, list],
+               max_model_len: int, label: str) -> dict:
+    """One method's engine in its own process (see :mod:`vllm_graft.bench.worker`)."""
+    jobs = config.out / "jobs"
+    jobs.mkdir(parents=True, exist_ok=True)
+    job, result, log = (jobs / f"{label}.{ext}" for ext in ("job.json", "result.json", "log"))
+    job.write_text(json.dumps({
+        "target": config.target, "spec": spec, "max_tokens": config.max_tokens,
+        "engine": {"dtype": config.dtype, "max_model_len": max_model_len,
+                   "max_num_seqs": config.max_num_seqs},
+        "datasets": prompt_ids}))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, "-m", "vllm_graft.bench.worker", str(job),
+                               str(result)], stdout=f, stderr=subprocess.STDOUT, env=env)
+    if proc.returncode != 0:
+        tail = log.read_text()[-3000:]
+        raise RuntimeError(f"benchmark engine {label!r} failed (log {log}):\n{tail}")
+    return json.loads(result.read_text())
+
+
+def run_methods(config: BenchConfig, prompt_ids: dict[str, list], method_list,
+                max_model_len: int, extra_graft: dict | None = None, label: str = ""):
     rows, outputs = [], {}
     for method in tqdm(method_list, desc=label or "methods", unit="method"):
         spec = method.speculative_config(config.head, config.warmup, config.calibration,
                                          config.drafter)
         if spec is not None and extra_graft and method.kind == "graft":
             spec["graft"].update(extra_graft)
-        started = time.time()
-        with engine(config.target, spec, dtype=config.dtype, max_model_len=max_model_len,
-                    max_num_seqs=config.max_num_seqs) as llm:
-            for name in prompt_sets:
-                tokens, delta, seconds = measure(llm, rendered[name], config.max_tokens)
-                outputs[(method.name, name)] = tokens
-                row = summarize(method, delta, sum(len(t) for t in tokens), seconds,
-                                config.chain_tokens)
-                rows.append({"method": method.name, "dataset": name, "prompts": len(tokens),
-                             **row})
+            spec["graft"] = {k: v for k, v in spec["graft"].items() if v is not None}
+        name = method.name + (f"-{label}" if label else "")
+        result = run_engine(config, spec, prompt_ids, max_model_len, name.replace(" ", "_"))
+        for dataset, data in result["datasets"].items():
+            tokens = data["tokens"]
+            outputs[(method.name, dataset)] = tokens
+            row = summarize(method, data["delta"], sum(len(t) for t in tokens),
+                            data["seconds"], config.chain_tokens)
+            rows.append({"method": method.name, "dataset": dataset, "prompts": len(tokens),
+                         **row})
         rows.append({"method": method.name, "dataset": "_engine",
-                     "wall_seconds": round(time.time() - started, 1)})
+                     "wall_seconds": round(result["wall_seconds"], 1)})
     return rows, outputs
 
 
@@ -149,7 +160,7 @@ def run_bench(config: BenchConfig) -> dict:
             continue
         chosen.append(all_methods[name])
 
-    prompt_sets, rendered, longest = {}, {}, 0
+    prompt_sets, prompt_ids, longest = {}, {}, 0
     for name in config.datasets:
         prompts = load_dataset(name, tokenizer, config.cache_dir, config.prompts)
         ids = render_prompts(tokenizer, prompts)
@@ -162,11 +173,11 @@ def run_bench(config: BenchConfig) -> dict:
         if not fits:
             continue
         prompt_sets[name] = [p for p, _ in fits]
-        rendered[name] = [r for _, r in fits]
-        longest = max(longest, max(len(r["prompt_token_ids"]) for r in rendered[name]))
+        prompt_ids[name] = [r["prompt_token_ids"] for _, r in fits]
+        longest = max(longest, max(len(ids) for ids in prompt_ids[name]))
     max_model_len = min(max_positions, longest + config.max_tokens + config.budget + 16)
 
-    rows, outputs = run_methods(config, prompt_sets, rendered, chosen, max_model_len)
+    rows, outputs = run_methods(config, prompt_ids, chosen, max_model_len)
     agreement = {}
     if "plain" in [m.name for m in chosen]:
         for method in chosen:
@@ -179,7 +190,7 @@ def run_bench(config: BenchConfig) -> dict:
 
     ablations = []
     if config.ablations:
-        ablations = run_ablations(config, prompt_sets, rendered, max_model_len)
+        ablations = run_ablations(config, prompt_ids, max_model_len)
     return {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
         "machine": machine_description(),
@@ -192,13 +203,12 @@ def run_bench(config: BenchConfig) -> dict:
     }
 
 
-def run_ablations(config: BenchConfig, prompt_sets, rendered, max_model_len) -> list[dict]:
+def run_ablations(config: BenchConfig, prompt_ids, max_model_len) -> list[dict]:
     """Graft with one knob changed at a time, on the ablation datasets."""
     from vllm_graft.cli.warmup import run_warmup
 
-    subset = {k: v for k, v in prompt_sets.items() if k in config.ablation_datasets} \
-        or dict(list(prompt_sets.items())[:1])
-    subset_rendered = {k: rendered[k] for k in subset}
+    subset = {k: v for k, v in prompt_ids.items() if k in config.ablation_datasets} \
+        or dict(list(prompt_ids.items())[:1])
     graft = methods(config.budget)["graft"]
     cold = Method("graft", "graft", graft=graft.graft, uses_retrieval=False)  # no warm-up file
     variants = [("warmup_rounds", 0, cold, {})]
@@ -219,8 +229,8 @@ def run_ablations(config: BenchConfig, prompt_sets, rendered, max_model_len) -> 
         variants.append(("retrieval_width", width, graft, extra))
     out = []
     for knob, value, method, extra in variants:
-        rows, _ = run_methods(config, subset, subset_rendered, [method], max_model_len,
-                              extra_graft=extra, label=f"ablation {knob}={value}")
+        rows, _ = run_methods(config, subset, [method], max_model_len,
+                              extra_graft=extra, label=f"ablation-{knob}-{value}")
         out += [{"knob": knob, "value": value, **row} for row in rows
                 if row["dataset"] != "_engine"]
     return out

@@ -61,7 +61,8 @@ def main(argv=None) -> int:
     report = train_head(model, features, args.out, draft_vocab=args.draft_vocab,
                         aux_layers=aux, steps=args.ttt_steps, epochs=args.epochs, lr=args.lr,
                         batch_tokens=args.batch_tokens)
-    report["answers"] = str(answers)
+    report["target"] = model.name
+    report["command"] = "vllm-graft train-head " + " ".join(argv if argv is not None else [])
     (args.out / "training_report.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
     return 0

@@ -147,7 +147,7 @@ def train_head(target_dir: Path, features_dir: Path, out_dir: Path, *, draft_voc
     head.save_vllm(out_dir, target_config)
     last = history[-50:]
     report = {
-        "target": str(target_dir), "draft_vocab": len(draft_ids), "steps": steps,
+        "target": target_dir.name, "draft_vocab": len(draft_ids), "steps": steps,
         "epochs": epochs, "sequences": len(sequences), "trained_tokens": trained_tokens,
         "seconds": round(elapsed, 1), "tokens_per_s": round(trained_tokens / elapsed, 1),
         "final_top1_accuracy_by_step": [

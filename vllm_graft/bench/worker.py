@@ -1,0 +1,54 @@
+"""One benchmark engine in a process of its own.
+
+``python -m vllm_graft.bench.worker JOB.json RESULT.json``: starts one in-process vLLM
+engine with the job's speculative config, generates every dataset of the job as one
+batch, and writes per dataset the generated token ids, the engine's counter deltas
+and the wall time. Separate processes keep methods from sharing any process state
+(vLLM 0.32 cannot start an engine in a process where its ngram proposer was imported).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def run_job(job: dict) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_graft.cli.common import counter_delta, counters, engine
+
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
+    out = {"datasets": {}}
+    started = time.time()
+    with engine(job["target"], job["spec"], **job["engine"]) as llm:
+        for name, prompts in job["datasets"].items():
+            before = counters(llm)
+            start = time.perf_counter()
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                   params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            out["datasets"][name] = {
+                "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+                "delta": counter_delta(counters(llm), before), "seconds": seconds}
+    out["wall_seconds"] = time.time() - started
+    return out
+
+
+def main() -> int:
+    from vllm_graft.cli.main import cpu_runtime_defaults
+
+    cpu_runtime_defaults()
+    job_path, result_path = sys.argv[1], sys.argv[2]
+    with open(job_path) as f:
+        job = json.load(f)
+    result = run_job(job)
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
