@@ -55,3 +55,12 @@ def test_config_is_frozen():
 @pytest.mark.parametrize("budget, keep", [(60, (8, 24, 40)), (8, (1, 3, 5)), (20, (3, 8, 13))])
 def test_default_draft_keep_scales_with_the_budget(budget, keep):
     assert GraftConfig(budget=budget).draft_keep == keep
+
+
+def test_wider_templates_get_a_widened_default_prior():
+    cfg = GraftConfig(retrieval_width=16, successor_k=16)
+    assert len(cfg.rank_prior) == 16
+    assert cfg.rank_prior[:8] == GraftConfig().rank_prior
+    assert all(a > b > 0 for a, b in zip(cfg.rank_prior, cfg.rank_prior[1:]))
+    with pytest.raises(ValueError, match="rank_prior needs at least"):
+        GraftConfig(retrieval_width=16, successor_k=16, rank_prior=[0.5] * 8)

@@ -61,6 +61,16 @@ def goal_checks(means: dict) -> list[tuple[str, str, bool | None]]:
     return checks
 
 
+def gain_by_prompt_length(results: dict, family: str = "code-") -> list[tuple[str, float]]:
+    """graft / dense_tree MAT on the long-prompt datasets of one family (``code-1k``,
+    ``code-2k``, ...), shortest first."""
+    mat = {(r["method"], r["dataset"]): r["mat"] for r in _rows(results)}
+    names = sorted({d for _, d in mat if d.startswith(family) and d[len(family):-1].isdigit()},
+                   key=lambda d: int(d[len(family):-1]))
+    return [(d, mat[("graft", d)] / mat[("dense_tree", d)]) for d in names
+            if ("graft", d) in mat and mat.get(("dense_tree", d))]
+
+
 def markdown(results: dict) -> str:
     rows = _rows(results)
     cfg = results["config"]
@@ -84,6 +94,12 @@ def markdown(results: dict) -> str:
     lines += ["", "## Goals", "", GOALS, "", "| check | value | met |", "|---|---|---|"]
     for text, value, ok in goal_checks(means):
         lines.append(f"| {text} | {value} | {'yes' if ok else ('no' if ok is False else '-')} |")
+    gains = gain_by_prompt_length(results)
+    if len(gains) > 1:
+        grows = all(b >= a for (_, a), (_, b) in zip(gains, gains[1:]))
+        lines.append(f"| graft / dense_tree MAT grows with code prompt length | "
+                     f"{', '.join(f'{d}: {g:.3f}' for d, g in gains)} | "
+                     f"{'yes' if grows else 'no'} |")
     lines += ["", "## Per dataset", "",
               "| dataset | method | MAT | tokens/s | verified / step | draft fwd / step | "
               "retrieved share | matrix hits | bookkeeping |", "|---|---|---|---|---|---|---|---|---|"]

@@ -108,11 +108,16 @@ def run_engine(config: BenchConfig, spec: dict | None, prompt_ids: dict[str, lis
     jobs = config.out / "jobs"
     jobs.mkdir(parents=True, exist_ok=True)
     job, result, log = (jobs / f"{label}.{ext}" for ext in ("job.json", "result.json", "log"))
-    job.write_text(json.dumps({
+    description = json.dumps({
         "target": config.target, "spec": spec, "max_tokens": config.max_tokens,
         "engine": {"dtype": config.dtype, "max_model_len": max_model_len,
                    "max_num_seqs": config.max_num_seqs},
-        "datasets": prompt_ids}))
+        "datasets": prompt_ids})
+    # an interrupted run resumes: a finished engine with the very same job is reused
+    if result.is_file() and job.is_file() and job.read_text() == description:
+        return json.loads(result.read_text())
+    result.unlink(missing_ok=True)
+    job.write_text(description)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     with open(log, "w") as f:
         proc = subprocess.run([sys.executable, "-m", "vllm_graft.bench.worker", str(job),
@@ -192,7 +197,7 @@ def run_bench(config: BenchConfig) -> dict:
     if config.ablations:
         ablations = run_ablations(config, prompt_ids, max_model_len)
     return {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
+        "config": portable_config(config),
         "machine": machine_description(),
         "max_model_len": max_model_len,
         "datasets": {name: len(p) for name, p in prompt_sets.items()},
@@ -234,6 +239,27 @@ def run_ablations(config: BenchConfig, prompt_ids, max_model_len) -> list[dict]:
         out += [{"knob": knob, "value": value, **row} for row in rows
                 if row["dataset"] != "_engine"]
     return out
+
+
+def portable_config(config: BenchConfig) -> dict:
+    """The run's settings with this machine's paths left out: files in the model cache
+    are written as ``$VLLM_GRAFT_CACHE/...``, files in the working tree relative to it, so
+    committed results name no machine paths."""
+    cache, cwd = Path(config.cache_dir).resolve(), Path.cwd().resolve()
+
+    def portable(value):
+        if not isinstance(value, (str, Path)) or not str(value).startswith(("/", ".")):
+            return str(value) if isinstance(value, Path) else value
+        path = Path(value).resolve()
+        if path.is_relative_to(cache):
+            return "$VLLM_GRAFT_CACHE/" + str(path.relative_to(cache))
+        if path.is_relative_to(cwd):
+            return str(path.relative_to(cwd))
+        return path.name
+
+    settings = asdict(config)
+    settings["cache_dir"] = "$VLLM_GRAFT_CACHE"
+    return {k: portable(v) for k, v in settings.items()}
 
 
 def machine_description() -> dict:

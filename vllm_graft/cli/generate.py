@@ -2,8 +2,9 @@
 
     vllm-graft generate MODEL --speculative-config graft.json --prompts prompts.txt
 
-Prompts come one per line from ``--prompts`` (or a few built-in code prompts). With
-``--compare`` the same prompts are also generated without speculation, in the same
+Prompts come one per line from ``--prompts`` (or a few built-in ones). With ``--chat``
+each prompt is a user message rendered with the model's chat template (what an
+instruction-tuned model and its EAGLE-3 head were trained on). With ``--compare`` the same prompts are also generated without speculation, in the same
 process, and the run reports whether greedy outputs are token-identical and the
 speed ratio.
 """
@@ -21,6 +22,12 @@ DEFAULT_PROMPTS = [
     "for i in range(10):\n    print(i)\nfor i in range(10):\n",
     "The quick brown fox jumps over the lazy dog. The quick brown",
 ]
+DEFAULT_CHAT_PROMPTS = [
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Explain in a few sentences why the sky is blue.",
+    "Give me three tips for writing clean, readable code.",
+    "What is the difference between a list and a tuple in Python?",
+]
 
 
 def parse_args(argv):
@@ -29,6 +36,8 @@ def parse_args(argv):
     p.add_argument("--speculative-config", required=True,
                    help="inline JSON or a JSON / YAML file (method graft)")
     p.add_argument("--prompts", help="file with one prompt per line (\\n escapes allowed)")
+    p.add_argument("--chat", action="store_true",
+                   help="render each prompt as a user message with the chat template")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -38,9 +47,9 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def load_prompts(path: str | None) -> list[str]:
+def load_prompts(path: str | None, chat: bool = False) -> list[str]:
     if path is None:
-        return DEFAULT_PROMPTS
+        return DEFAULT_CHAT_PROMPTS if chat else DEFAULT_PROMPTS
     with open(path) as f:
         return [line.rstrip("\n").encode().decode("unicode_escape") for line in f if line.strip()]
 
@@ -53,7 +62,11 @@ def run(model, spec, prompts, args) -> dict:
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                             ignore_eos=True)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    if args.chat:
+        conversations = [[{"role": "user", "content": p}] for p in prompts]
+        outputs = llm.chat(conversations, params, use_tqdm=False)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     metrics = {}
@@ -99,7 +112,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     cpu_runtime_defaults()
     spec = load_speculative_config_arg(args.speculative_config)
-    prompts = load_prompts(args.prompts)
+    prompts = load_prompts(args.prompts, args.chat)
     report = {"prompts": len(prompts), "max_tokens": args.max_tokens}
     graft = run(args.model, spec, prompts, args)
     report["graft"] = summary(graft)

@@ -56,6 +56,15 @@ DEFAULT_THRESHOLDS = (0.35, 0.25, 0.15)
 DEFAULT_RANK_PRIOR = (0.62, 0.17, 0.08, 0.05, 0.035, 0.025, 0.02, 0.015)
 
 
+def default_rank_prior(width: int) -> tuple[float, ...]:
+    """The default prior, continued geometrically (x0.75 per rank) past rank 8 so that
+    wider templates work without spelling out a prior."""
+    prior = list(DEFAULT_RANK_PRIOR)
+    while len(prior) < width:
+        prior.append(round(prior[-1] * 0.75, 6))
+    return tuple(prior)
+
+
 class GraftConfig(BaseModel):
     """The ``graft`` section of the speculative config.
 
@@ -86,6 +95,16 @@ class GraftConfig(BaseModel):
     )
     rank_prior: tuple[float, ...] = DEFAULT_RANK_PRIOR
     ops_backend: str = Field("compiled", pattern="^(compiled|reference)$")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _widen_default_rank_prior(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or "rank_prior" in data:
+            return data
+        width = data.get("retrieval_width", 8)
+        if isinstance(width, int) and 8 < width <= 64:
+            return {**data, "rank_prior": default_rank_prior(width)}
+        return data
 
     @model_validator(mode="before")
     @classmethod
