@@ -4,9 +4,9 @@
 
 Prompts come one per line from ``--prompts`` (or a few built-in ones). With ``--chat``
 each prompt is a user message rendered with the model's chat template (what an
-instruction-tuned model and its EAGLE-3 head were trained on). With ``--compare`` the same prompts are also generated without speculation, in the same
-process, and the run reports whether greedy outputs are token-identical and the
-speed ratio.
+instruction-tuned model and its EAGLE-3 head were trained on). With ``--compare`` the
+same prompts are also generated without speculation, in the same process, and the run
+reports whether greedy outputs are token-identical and the speed ratio.
 """
 
 from __future__ import annotations

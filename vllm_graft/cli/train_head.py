@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 from pathlib import Path
 
 from vllm_graft.assets import datasets
@@ -61,8 +63,8 @@ def main(argv=None) -> int:
     report = train_head(model, features, args.out, draft_vocab=args.draft_vocab,
                         aux_layers=aux, steps=args.ttt_steps, epochs=args.epochs, lr=args.lr,
                         batch_tokens=args.batch_tokens)
-    report["target"] = model.name
-    report["command"] = "vllm-graft train-head " + " ".join(argv if argv is not None else [])
+    report["command"] = "vllm-graft train-head " + shlex.join(
+        argv if argv is not None else sys.argv[1:])
     (args.out / "training_report.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
     return 0

@@ -101,8 +101,8 @@ class GraftConfig(BaseModel):
     def _widen_default_rank_prior(cls, data: Any) -> Any:
         if not isinstance(data, dict) or "rank_prior" in data:
             return data
-        width = data.get("retrieval_width", 8)
-        if isinstance(width, int) and 8 < width <= 64:
+        width = data.get("retrieval_width", len(DEFAULT_RANK_PRIOR))
+        if isinstance(width, int) and len(DEFAULT_RANK_PRIOR) < width <= 64:
             return {**data, "rank_prior": default_rank_prior(width)}
         return data
 
