@@ -10,6 +10,8 @@ timed in the same run. ``step_greedy_ms`` = build + greedy acceptance + update.
 
     .venv/bin/python scripts/bench_core.py                 # batch 1 / 8 / 32, Qwen vocab
     .venv/bin/python scripts/bench_core.py --batch 1 8 --json out.json
+    python scripts/bench_core.py --device cuda      # on a GPU (the device is synchronised
+                                                    # around every timed call)
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ class BankDrafter:
     expanded token, so the drafter itself costs one gather. Confidence varies across
     tokens, so requests prune at different checkpoints as in real decoding."""
 
-    def __init__(self, vocab: int, top_k: int, bank: int = 4096, seed: int = 0):
+    def __init__(self, vocab: int, top_k: int, bank: int = 4096, seed: int = 0,
+                 device: torch.device | str = "cpu"):
         g = torch.Generator().manual_seed(seed)
         # half the contexts are easy (peaked drafts), half hard, so requests stop at
         # different checkpoints as in real decoding
@@ -42,8 +45,9 @@ class BankDrafter:
                                 torch.rand(bank, 1, generator=g) * 4)
         logits = torch.randn(bank, 4 * top_k, generator=g) * sharpness
         values, index = logits.log_softmax(-1).topk(top_k, dim=-1)
-        self.logprobs = values
-        self.tokens = torch.randint(0, vocab, (bank, 4 * top_k), generator=g).gather(1, index)
+        self.logprobs = values.to(device)
+        tokens = torch.randint(0, vocab, (bank, 4 * top_k), generator=g).gather(1, index)
+        self.tokens = tokens.to(device)
         self.bank = bank
 
     def __call__(self, step: DraftStep) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,11 +59,12 @@ def steer_logits(tree, vocab: int, batch: int, seed: int) -> torch.Tensor:
     """Random target logits that prefer each row's first child, so acceptance walks
     several levels as it does with a good drafter."""
     g = torch.Generator().manual_seed(seed)
+    device = tree.tokens.device
     rows = tree.tokens.shape[1]
-    logits = torch.randn(batch, rows, vocab, generator=g)
-    child = torch.arange(rows).expand(batch, rows)
+    logits = torch.randn(batch, rows, vocab, generator=g).to(device)
+    child = torch.arange(rows, device=device).expand(batch, rows)
     first = torch.where(tree.valid & (child > 0), child, rows)
-    first_child = torch.full((batch, rows + 1), rows).scatter_reduce(
+    first_child = torch.full((batch, rows + 1), rows, device=device).scatter_reduce(
         1, tree.parents.clamp(min=0) + (tree.parents < 0) * rows, first, "amin")[:, :rows]
     has = first_child < rows
     b, r = torch.nonzero(has, as_tuple=True)
@@ -67,37 +72,49 @@ def steer_logits(tree, vocab: int, batch: int, seed: int) -> torch.Tensor:
     return logits
 
 
-def time_it(fn, repeats: int) -> float:
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_it(fn, repeats: int, device: torch.device = torch.device("cpu")) -> float:
     fn()  # warm-up
+    synchronize(device)
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        synchronize(device)
         samples.append(time.perf_counter() - start)
     return statistics.median(samples) * 1e3
 
 
-def bench(batch: int, vocab: int, backend: str, repeats: int, cfg: GraftConfig) -> dict:
+def bench(batch: int, vocab: int, backend: str, repeats: int, cfg: GraftConfig,
+          device: torch.device | str = "cpu") -> dict:
+    device = torch.device(device)
     torch.manual_seed(batch)
-    matrix = SuccessorMatrix.empty(vocab, cfg.successor_k, backend=backend)
-    matrix.update_(torch.arange(vocab), torch.randint(0, vocab, (vocab, cfg.successor_k)))
-    builder = GraftTreeBuilder(cfg, matrix)
-    drafter = BankDrafter(vocab, cfg.top_k)
-    roots = torch.randint(0, vocab, (batch,))
+    matrix = SuccessorMatrix.empty(vocab, cfg.successor_k, device=device, backend=backend)
+    matrix.update_(torch.arange(vocab, device=device),
+                   torch.randint(0, vocab, (vocab, cfg.successor_k), device=device))
+    builder = GraftTreeBuilder(cfg, matrix, device=device)
+    drafter = BankDrafter(vocab, cfg.top_k, device=device)
+    roots = torch.randint(0, vocab, (batch,), device=device)
     tree, stats = builder.build(roots, drafter)
     logits = steer_logits(tree, vocab, batch, seed=batch)
-    greedy = SamplingBatch.greedy(batch)
+    greedy = SamplingBatch.greedy(batch, device=device)
     tokens = torch.where(tree.valid, tree.tokens, -1).reshape(-1)
     next_tokens = logits.reshape(tokens.numel(), -1).topk(cfg.successor_k, dim=-1).indices
-    sampled = SamplingBatch(temperature=torch.ones(batch), top_p=torch.full((batch,), 0.9))
+    sampled = SamplingBatch(temperature=torch.ones(batch, device=device),
+                            top_p=torch.full((batch,), 0.9, device=device))
 
     row = {
-        "batch": batch, "backend": backend,
-        "build_ms": time_it(lambda: builder.build(roots, drafter), repeats),
-        "accept_greedy_ms": time_it(lambda: accept_tree(tree, logits, greedy), repeats),
-        "accept_sampled_ms": time_it(lambda: accept_tree(tree, logits, sampled), repeats),
-        "update_ms": time_it(lambda: builder.observe(tree, logits), repeats),
-        "update_op_ms": time_it(lambda: matrix.update_(tokens, next_tokens), repeats),
+        "batch": batch, "backend": backend, "device": device.type,
+        "build_ms": time_it(lambda: builder.build(roots, drafter), repeats, device),
+        "accept_greedy_ms": time_it(lambda: accept_tree(tree, logits, greedy), repeats, device),
+        "accept_sampled_ms": time_it(lambda: accept_tree(tree, logits, sampled), repeats,
+                                     device),
+        "update_ms": time_it(lambda: builder.observe(tree, logits), repeats, device),
+        "update_op_ms": time_it(lambda: matrix.update_(tokens, next_tokens), repeats, device),
         "mean_accepted": float(accept_tree(tree, logits, greedy).num_accepted.float().mean()),
         "pruned_share": float((stats.stage < builder.full_stage).float().mean()),
     }
@@ -112,12 +129,13 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = GraftConfig(budget=args.budget)
-    rows = [bench(b, args.vocab, backend, args.repeats, cfg)
+    rows = [bench(b, args.vocab, backend, args.repeats, cfg, args.device)
             for b in args.batch for backend in ("compiled", "reference")]
 
     print(f"Graft step bookkeeping, budget {args.budget}, vocab {args.vocab:,}, "

@@ -13,7 +13,8 @@ if nvidia-smi -L >/dev/null 2>&1; then FLAVOUR=cuda; else FLAVOUR=cpu; fi
 FLAVOUR=${VLLM_GRAFT_FLAVOUR:-$FLAVOUR}
 
 stamp_inputs() {
-  cat requirements/"$FLAVOUR".txt requirements/test.txt requirements/tools.txt setup.py \
+  cat requirements/"$FLAVOUR".txt requirements/test.txt requirements/tools.txt \
+    requirements/triton-interpreter.txt setup.py \
     csrc/*.cpp csrc/kernels/* \
     | sha256sum | cut -c1-16
 }
@@ -35,6 +36,9 @@ if [ "$FLAVOUR" = cpu ]; then
   # ("operator torchvision::nms does not exist"), and triton has no CPU backend.
   "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
+# Triton for the interpreter tests, where only those tests look (tests/kernels)
+"${PIP[@]}" install -q --no-deps --upgrade --target "$VENV/triton-interpreter" \
+  -r requirements/triton-interpreter.txt
 "${PIP[@]}" install -q --no-build-isolation -e .
 "$VENV/bin/python" -c "import torch, vllm, vllm_graft.ops; print('setup: torch', torch.__version__, '| vllm', vllm.__version__, '| vllm_graft ops ok')"
 rm -f "$VENV"/.vllm-graft-setup-*

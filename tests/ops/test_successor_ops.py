@@ -9,6 +9,7 @@ for bad input. CUDA cases are collected everywhere and skipped without a GPU.
 from __future__ import annotations
 
 import doctest
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -358,3 +359,17 @@ def test_missing_extension_error_says_how_to_build():
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(shutil.which("ldd") is None, reason="ldd (Linux) is needed to read links")
+def test_extension_links_libstdcxx_dynamically():
+    # torch uses the shared libstdc++; a statically linked second copy in vllm_graft._C
+    # disagrees with it on locale facets, and the first error message that formats a
+    # number segfaults (seen on a GPU image whose Python names a compiler that links it
+    # statically). The ops must share torch's copy.
+    import vllm_graft._C as extension
+
+    links = subprocess.run(["ldd", extension.__file__], capture_output=True, text=True).stdout
+    assert "libstdc++" in links, (
+        f"{extension.__file__} does not link libstdc++ dynamically; rebuild with a compiler "
+        f"that does (CXX=/usr/bin/g++ LDSHARED='/usr/bin/g++ -shared'):\n{links}")

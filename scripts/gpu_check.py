@@ -1,0 +1,398 @@
+"""GPU checks and profiles that need no vLLM (run by ``scripts/gpu_check.sh``).
+
+Sections, each recorded in one JSON (and a Markdown table) even when another fails:
+
+* ``tree_kernel_check``: the Triton tree-attention kernel against the torch reference on
+  fresh random mixed batches (prefill chunks, decodes, trees of 1 to 64 nodes, contexts
+  off block boundaries), fp16 / bf16 / fp32, head dims 64 and 128, GQA, strided views of
+  both paged-KV layouts; output poisoned with NaN before each run.
+* ``tree_kernel_timing``: Qwen3-8B attention shapes in bf16 (32 query heads, 8 KV heads,
+  head dim 128), 60-node trees over contexts of 1K and 8K at batch 1 / 8 / 32: the
+  kernel (several tile shapes) against a dense causal FlashAttention call with the same
+  query rows (contiguous K/V, SDPA's flash backend) and against the per-request SDPA
+  fallback.
+* ``bookkeeping``: ``scripts/bench_core.py``'s Graft step bookkeeping on the device,
+  vocabulary 151,936, batch 1 / 8 / 32.
+* ``verification_cost``: forward time of a randomly initialised Qwen3-8B-shaped model
+  (bf16, transformers) verifying 1 to 128 query tokens per request over a context, at
+  batch 1 / 8 / 32: the hardware profile the cost-aware tree size uses.
+
+``--smoke`` runs every section on the CPU at toy sizes (Triton under its interpreter),
+to check this script itself on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
+
+
+# ---- timing ---------------------------------------------------------------------------
+def median_ms(fn, device: torch.device, repeats: int = 20, warmup: int = 3) -> float:
+    """Median wall time of ``fn`` in ms, with CUDA events on a GPU."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+    else:
+        for _ in range(repeats):
+            begin = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(samples)
+
+
+# ---- sections ---------------------------------------------------------------------------
+def tree_kernel_check(device: torch.device, smoke: bool) -> dict:
+    from vllm_graft.kernels import paged_tree_attention_reference
+    from vllm_graft.kernels.tree_attention_triton import paged_tree_attention
+    from vllm_graft.testing.paged_batches import paged_batch, relative_error
+
+    generator = torch.Generator().manual_seed(1)
+    cases, failures = [], 0
+    dtypes = [torch.bfloat16, torch.float32] if smoke else [torch.bfloat16, torch.float16,
+                                                           torch.float32]
+    for dtype in dtypes:
+        for head_dim in (64, 128):
+            for heads, kv_heads in ((4, 4), (8, 2)):
+                for layout, block_size in (("kv_first", 16), ("blocks_first", 32)):
+                    tree_rows = [1, 7, 64] if smoke else [1, 2, 13, 33, 60, 64]
+                    requests = [(int(torch.randint(0, 300, (1,), generator=generator)), n, True)
+                                for n in tree_rows]
+                    requests += [(0, 37, False), (129, 1, False), (45, 19, False)]
+                    order = torch.randperm(len(requests), generator=generator).tolist()
+                    batch = paged_batch([requests[i] for i in order], heads, kv_heads,
+                                        head_dim, block_size, dtype, device, generator, layout)
+                    expected = paged_tree_attention_reference(
+                        **batch, compute_dtype=torch.float64)
+                    out = torch.full_like(batch["query"], float("nan"))
+                    paged_tree_attention(**batch, out=out)
+                    finite = bool(torch.isfinite(out).all())
+                    error = relative_error(out, expected)
+                    ok = finite and error <= TOLERANCE[dtype]
+                    failures += not ok
+                    cases.append(dict(dtype=str(dtype).removeprefix("torch."),
+                                      head_dim=head_dim, heads=heads, kv_heads=kv_heads,
+                                      layout=layout, block_size=block_size,
+                                      rows=int(batch["query"].shape[0]), rel_error=error,
+                                      tolerance=TOLERANCE[dtype], all_written=finite, ok=ok))
+    return dict(ok=failures == 0, failures=failures, cases=cases)
+
+
+def dense_causal_ms(batch_size, context, rows, heads, kv_heads, head_dim, dtype, device):
+    """Dense causal attention with the same query rows (contiguous K/V), FlashAttention
+    through SDPA on a GPU."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    q = torch.randn(batch_size, heads, rows, head_dim, device=device, dtype=dtype)
+    k = torch.randn(batch_size, heads, context + rows, head_dim, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    mask = causal_lower_right(rows, context + rows)
+    backend = SDPBackend.FLASH_ATTENTION if device.type == "cuda" else SDPBackend.MATH
+    try:
+        with sdpa_kernel([backend]):
+            return median_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                             device), backend.name
+    except RuntimeError:  # flash refused these shapes: SDPA's own choice
+        return median_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                         device), "sdpa default"
+
+
+def tree_kernel_timing(device: torch.device, smoke: bool) -> dict:
+    from vllm_graft.kernels import paged_tree_attention_reference
+    from vllm_graft.kernels.tree_attention_triton import paged_tree_attention
+    from vllm_graft.testing.paged_batches import paged_batch
+
+    heads, kv_heads, head_dim, block_size, tree_nodes = (32, 8, 128, 16, 60)
+    dtype = torch.bfloat16
+    batches, contexts = ((1, 8, 32), (1024, 8192))
+    variants = [(64, 64, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2), (128, 64, 8, 2), (64, 64, 4, 3)]
+    if smoke:
+        heads, kv_heads, head_dim, tree_nodes = 4, 2, 64, 8
+        batches, contexts, variants = (1, 2), (40,), variants[:1]
+    generator = torch.Generator().manual_seed(2)
+    rows = []
+    for batch_size in batches:
+        for context in contexts:
+            batch = paged_batch([(context, tree_nodes, True)] * batch_size, heads, kv_heads,
+                                head_dim, block_size, dtype, device, generator)
+            timings = {}
+            for block_m, block_n, warps, stages in variants:
+                def run(bm=block_m, bn=block_n, w=warps, s=stages):
+                    paged_tree_attention(**batch, block_m=bm, block_n=bn, num_warps=w,
+                                         num_stages=s)
+                timings[f"m{block_m}_n{block_n}_w{warps}_s{stages}"] = median_ms(run, device)
+            best = min(timings, key=timings.get)
+            kv_bytes = (batch_size * (context + tree_nodes) * kv_heads * head_dim * 2
+                        * dtype.itemsize)
+            dense, dense_backend = dense_causal_ms(batch_size, context, tree_nodes, heads,
+                                                   kv_heads, head_dim, dtype, device)
+            fallback = None
+            if batch_size <= 8:
+                fallback = median_ms(lambda: paged_tree_attention_reference(**batch), device,
+                                     repeats=5, warmup=1)
+            rows.append(dict(batch=batch_size, context=context, tree_nodes=tree_nodes,
+                             kernel_ms=timings[best], best_variant=best, variants_ms=timings,
+                             kernel_kv_gb_per_s=kv_bytes / timings[best] / 1e6,
+                             dense_causal_flash_ms=dense, dense_backend=dense_backend,
+                             fallback_sdpa_ms=fallback,
+                             kernel_over_dense=timings[best] / dense))
+    return dict(ok=True, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                block_size=block_size, dtype="bfloat16", rows=rows)
+
+
+def bookkeeping(device: torch.device, smoke: bool) -> dict:
+    import bench_core
+    from vllm_graft.core.config import GraftConfig
+
+    vocab, batches = (5000, (1, 2)) if smoke else (151_936, (1, 8, 32))
+    cfg = GraftConfig(budget=60)
+    rows = [bench_core.bench(b, vocab, "compiled", 3 if smoke else 10, cfg, device)
+            for b in batches]
+    return dict(ok=True, vocab=vocab, budget=60, rows=rows)
+
+
+def qwen3_8b_shaped_config(smoke: bool):
+    from transformers import Qwen3Config
+
+    if smoke:
+        return Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, max_position_embeddings=4096)
+    return Qwen3Config(vocab_size=151_936, hidden_size=4096, intermediate_size=12_288,
+                       num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                       head_dim=128, max_position_embeddings=40_960, tie_word_embeddings=False,
+                       rope_theta=1_000_000)
+
+
+def rewind(cache, length: int) -> None:
+    """Set a static cache's write position back to ``length`` (transformers >= 5 keeps it
+    in a device counter per layer, advanced by every forward), so repeated forwards and
+    graph replays write the same slots instead of running off the cache's end."""
+    for layer in getattr(cache, "layers", ()):
+        counter = getattr(layer, "cumulative_length", None)
+        if isinstance(counter, torch.Tensor):
+            counter.fill_(length)
+        elif counter is not None:
+            layer.cumulative_length = length
+
+
+def forward_ms(model, cache, ids: torch.Tensor, positions: torch.Tensor,
+               device: torch.device, repeats: int) -> tuple[float, str]:
+    """Median time of one verification forward (logits at every query row), replayed as
+    a CUDA graph on a GPU where capture works (what a serving engine does), else eager.
+    The cache is static: every call writes the same slots, so calls are alike."""
+    batch = ids.shape[0]
+    position_ids = positions.expand(batch, -1)
+    start = int(positions[0])
+
+    def step():
+        rewind(cache, start)
+        return model(input_ids=ids, past_key_values=cache, cache_position=positions,
+                     position_ids=position_ids, use_cache=True).logits
+
+    if device.type != "cuda":
+        return median_ms(step, device, repeats=repeats, warmup=2), "eager"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # a private pool: freed with the graph
+            step()
+    except Exception as error:  # capture refused: time eagerly, and say why
+        print(f"gpu_check: CUDA graph capture failed: {error}", file=sys.stderr, flush=True)
+        torch.cuda.synchronize()
+        return (median_ms(step, device, repeats=repeats, warmup=1),
+                f"eager ({type(error).__name__}: {str(error)[:80]})")
+    ms = median_ms(graph.replay, device, repeats=repeats, warmup=2)
+    del graph
+    return ms, "cuda graph"
+
+
+def verification_cost(device: torch.device, smoke: bool) -> dict:
+    """Forward time for ``q`` new tokens per request over a ``context``-token KV cache."""
+    import transformers
+    from transformers import Qwen3ForCausalLM, StaticCache
+
+    config = qwen3_8b_shaped_config(smoke)
+    dtype = torch.float32 if smoke else torch.bfloat16
+    torch.manual_seed(0)
+    with torch.device(device):
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            model = Qwen3ForCausalLM(config).eval()
+        finally:
+            torch.set_default_dtype(previous)
+    query_tokens = (1, 2, 4) if smoke else (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 128)
+    batches = (1, 2) if smoke else (1, 8, 32)
+    contexts = (16,) if smoke else (1024, 4096)
+    rows = []
+    with torch.inference_mode():
+        for context in contexts:
+            for batch_size in batches:
+                cache = StaticCache(config=config, max_cache_len=context + max(query_tokens))
+                prompt = torch.randint(0, config.vocab_size, (batch_size, context)).to(device)
+                model.model(input_ids=prompt, past_key_values=cache, use_cache=True,
+                            cache_position=torch.arange(context, device=device))
+                for q in query_tokens:
+                    # drawn on the host: a refused capture can leave the device RNG unusable
+                    ids = torch.randint(0, config.vocab_size, (batch_size, q)).to(device)
+                    positions = torch.arange(context, context + q, device=device)
+                    ms, mode = forward_ms(model, cache, ids, positions, device,
+                                          repeats=3 if smoke else 10)
+                    rows.append(dict(context=context, batch=batch_size, query_tokens=q,
+                                     total_tokens=batch_size * q, forward_ms=ms, mode=mode))
+                del cache, prompt
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    for row in rows:
+        base = next(r["forward_ms"] for r in rows if r["context"] == row["context"]
+                    and r["batch"] == row["batch"] and r["query_tokens"] == 1)
+        row["cost_over_one_token"] = row["forward_ms"] / base
+    parameters = sum(p.numel() for p in model.parameters())
+    return dict(ok=True, model="Qwen3-8B-shaped, random weights" if not smoke else "tiny Qwen3",
+                parameters=parameters, dtype=str(dtype).removeprefix("torch."),
+                transformers=transformers.__version__,
+                attention="sdpa, static KV cache, logits at every query row", rows=rows)
+
+
+SECTIONS = {"tree_kernel_check": tree_kernel_check, "tree_kernel_timing": tree_kernel_timing,
+            "bookkeeping": bookkeeping, "verification_cost": verification_cost}
+
+
+# ---- report -----------------------------------------------------------------------------
+def markdown(report: dict) -> str:
+    env = report["environment"]
+    lines = [f"# GPU check: {env.get('device_name', 'no GPU')}", "",
+             f"torch {env['torch']}, CUDA {env.get('cuda')}, triton {env.get('triton')}, "
+             f"python {env['python']}; {report['finished']}", ""]
+    for name, status in report.get("preflight", {}).items():
+        lines.append(f"- {name}: {status}")
+    lines.append("")
+    for name in SECTIONS:
+        result = report["sections"].get(name)
+        if result is None:
+            continue
+        lines += [f"## {name}: {'ok' if result.get('ok') else 'FAILED'} "
+                  f"({result.get('seconds', 0):.1f} s)", ""]
+        if "error" in result:
+            lines += ["```", result["error"].strip(), "```", ""]
+            continue
+        lines += TABLES[name](result) + [""]
+    return "\n".join(lines)
+
+
+def table(columns, rows) -> list[str]:
+    def cell(value):
+        if isinstance(value, float):
+            return f"{value:.3g}" if abs(value) < 1e-2 else f"{value:.3f}"
+        return "" if value is None else str(value)
+    return (["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+            + ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows])
+
+
+TABLES = {
+    "tree_kernel_check": lambda r: table(
+        ["dtype", "head_dim", "heads", "kv_heads", "layout", "block_size", "rows",
+         "rel_error", "tolerance", "all_written", "ok"], r["cases"]),
+    "tree_kernel_timing": lambda r: table(
+        ["batch", "context", "tree_nodes", "kernel_ms", "best_variant", "kernel_kv_gb_per_s",
+         "dense_causal_flash_ms", "kernel_over_dense", "fallback_sdpa_ms"], r["rows"]),
+    "bookkeeping": lambda r: table(
+        ["batch", "device", "build_ms", "accept_greedy_ms", "accept_sampled_ms", "update_ms",
+         "update_op_ms", "step_greedy_ms"], r["rows"]),
+    "verification_cost": lambda r: table(
+        ["context", "batch", "query_tokens", "total_tokens", "forward_ms",
+         "cost_over_one_token", "mode"], r["rows"]),
+}
+
+
+def environment(device: torch.device) -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "cuda": torch.version.cuda, "device": device.type}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(device_name=props.name, capability=f"{props.major}.{props.minor}",
+                   multiprocessors=props.multi_processor_count,
+                   memory_gib=round(props.total_memory / 2**30, 1))
+    return env
+
+
+def write_report(report: dict, out: Path) -> str:
+    report["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+    text = markdown(report)
+    (out / "gpu_check.md").write_text(text)
+    return text
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="folder for gpu_check.json / .md")
+    parser.add_argument("--smoke", action="store_true", help="CPU, toy sizes")
+    parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
+    parser.add_argument("--preflight", action="append", default=[],
+                        help="NAME=STATUS lines from the shell script (build, ops tests)")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.smoke and not torch.cuda.is_available():
+        print("gpu_check: torch sees no CUDA device; nothing measured", file=sys.stderr)
+        return 2
+    device = torch.device("cpu" if args.smoke else "cuda")
+    report = {"environment": environment(device), "smoke": args.smoke,
+              "preflight": dict(item.split("=", 1) for item in args.preflight),
+              "sections": {}}
+    for name in args.sections:
+        print(f"gpu_check: {name} ...", flush=True)
+        begin = time.perf_counter()
+        try:
+            result = SECTIONS[name](device, args.smoke)
+        except Exception:  # recorded, and the remaining sections still run
+            result = {"ok": False, "error": traceback.format_exc()}
+            print(result["error"], file=sys.stderr)
+        result["seconds"] = time.perf_counter() - begin
+        report["sections"][name] = result
+        print(f"gpu_check: {name} {'ok' if result['ok'] else 'FAILED'} "
+              f"({result['seconds']:.1f} s)", flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        write_report(report, out)  # after every section: a later time-out keeps these
+    print(write_report(report, out))
+    return 0 if all(r["ok"] for r in report["sections"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

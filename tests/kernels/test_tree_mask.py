@@ -1,0 +1,39 @@
+"""Bit-packed tree masks and the torch reference's visibility rule (no Triton needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_graft.kernels.tree_attention_reference import visible_positions
+from vllm_graft.kernels.tree_mask import pack_ancestor_bits, unpack_ancestor_bits
+
+
+def test_pack_roundtrip_uses_all_64_bits():
+    visible = torch.rand(3, 64, 64, generator=torch.Generator().manual_seed(0)) < 0.5
+    visible[:, 63, 63] = True  # the sign bit
+    bits = pack_ancestor_bits(visible)
+    assert bits.dtype == torch.int64 and bits.shape == (3, 64)
+    assert torch.equal(unpack_ancestor_bits(bits, 64), visible)
+
+
+@pytest.mark.parametrize("shape, message", [((4, 5), "must be"), ((65, 65), "at most 64")])
+def test_pack_rejects_bad_masks(shape, message):
+    with pytest.raises(ValueError, match=message):
+        pack_ancestor_bits(torch.ones(shape, dtype=torch.bool))
+
+
+def test_visibility_of_a_small_tree_after_context():
+    # context of 3 positions, then a tree: 0 root, 1 and 2 children of 0, 3 child of 2
+    visible = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]],
+                           dtype=torch.bool)
+    got = visible_positions(seq_len=7, q_len=4, tree_start=3,
+                            tree_bits=pack_ancestor_bits(visible))
+    expected = torch.cat([torch.ones(4, 3, dtype=torch.bool), visible], dim=1)
+    assert torch.equal(got, expected)
+
+
+def test_rows_without_a_tree_are_causal():
+    got = visible_positions(seq_len=5, q_len=3, tree_start=5,
+                            tree_bits=torch.zeros(3, dtype=torch.int64))
+    assert torch.equal(got, torch.ones(3, 5, dtype=torch.bool).tril(diagonal=2))
