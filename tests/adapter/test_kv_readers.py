@@ -53,3 +53,44 @@ def test_detection_picks_the_matching_reader(writer, shape, reader):
 def test_an_unknown_layout_is_refused():
     with pytest.raises(ta.TreeAttentionError, match="cannot read the paged KV cache"):
         ta.kv_reader(_WriterScrambled(), _Layer(), torch.zeros(6, 2, 16, 16))
+
+
+def _cpu_layout_cache(keys, values, slots, blocks=6, block=16):
+    """The CPU backend's layout written by hand: per (block, head), K transposed then V."""
+    heads, head = keys.shape[1], keys.shape[2]
+    cache = torch.zeros(blocks, heads, block, 2 * head)
+    flat = cache.view(blocks, heads, 2, block * head)
+    for i, slot in enumerate(slots.tolist()):
+        b, o = divmod(slot, block)
+        flat[b, :, 0].view(heads, head, block)[:, :, o] = keys[i]
+        flat[b, :, 1].view(heads, block, head)[:, o] = values[i]
+    return cache
+
+
+@pytest.mark.parametrize("layout", ["cpu", "heads_kv_last", "kv_first", "kv_second"])
+def test_slot_readers_read_what_was_written(layout):
+    generator = torch.Generator().manual_seed(2)
+    keys, values = torch.randn(9, 2, 8, generator=generator), torch.randn(9, 2, 8, generator=generator)
+    slots = torch.tensor([70, 3, 16, 95, 17, 0, 64, 31, 48])
+    if layout == "cpu":
+        cache, reader = _cpu_layout_cache(keys, values, slots), ta._read_cpu
+    elif layout == "heads_kv_last":
+        cache, reader = torch.zeros(6, 2, 16, 16), ta._read_heads_kv_last
+        _WriterNHD().do_kv_cache_update(_Layer(), keys, values, cache, slots)
+    elif layout == "kv_first":
+        cache, reader = torch.zeros(2, 6, 16, 2, 8), ta._read_kv_first
+        _WriterKVFirst().do_kv_cache_update(_Layer(), keys, values, cache, slots)
+    else:
+        cache, reader = torch.zeros(6, 2, 16, 2, 8), ta._read_kv_second
+        for i, slot in enumerate(slots.tolist()):
+            cache[slot // 16, 0, slot % 16], cache[slot // 16, 1, slot % 16] = keys[i], values[i]
+    order = torch.tensor([3, 0, 8, 5])
+    got_k, got_v = ta.read_slots(reader, cache, slots[order])
+    assert torch.equal(got_k, keys[order]) and torch.equal(got_v, values[order])
+    # the sequence readers agree with the slot readers on a request's positions
+    table = torch.tensor([1, 0], dtype=torch.int32)
+    seq_k, seq_v = reader(cache, table, 20)
+    positions = torch.tensor([0, 5, 16, 19])
+    by_slot_k, by_slot_v = ta.read_slots(reader, cache, table[positions // 16] * 16 + positions % 16)
+    assert torch.equal(seq_k[:, positions].transpose(0, 1), by_slot_k)
+    assert torch.equal(seq_v[:, positions].transpose(0, 1), by_slot_v)

@@ -97,17 +97,20 @@ class SuccessorMatrix:
         else:
             self._update(self.table, tokens, next_tokens)
 
-    def update_from_logits_(self, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+    def update_from_logits_(self, tokens: torch.Tensor, logits: torch.Tensor,
+                            rows: torch.Tensor | None = None) -> None:
         """Write the target's top-k at every verified node.
 
-        tokens: [N] node tokens (-1 = padding, skipped); logits: [N, vocab] target logits
-        at those nodes. Padding rows are dropped before the top-k to save the vocab scan.
+        tokens: [N] node tokens (-1 = padding, skipped by the update); logits: [R, vocab]
+        target logits; rows: [N] the row of ``logits`` at each node (default: row i).
+        The top-k reads ``logits`` where it lies: gathering rows first would copy a
+        vocabulary-wide tensor (and a boolean selection would also synchronise a GPU).
         """
-        keep = tokens >= 0
-        tokens, logits = tokens[keep], logits[keep]
         if tokens.numel() == 0:
             return
         next_tokens = torch.topk(logits, self.k, dim=-1, sorted=True).indices
+        if rows is not None:
+            next_tokens = next_tokens[rows]
         self.update_(tokens, next_tokens)
 
     # ---- persistence ------------------------------------------------------------------

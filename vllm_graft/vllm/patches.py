@@ -42,6 +42,36 @@ logger = logging.getLogger(__name__)
 GRAFT_MARKER = "graft_enabled"
 
 
+_V1_RUNNER_LOGGED: list[bool] = []
+
+
+def refuse_kv_transfer(engine_args) -> None:
+    """KV connectors and KV offloading save a step's K/V when the forward ends, before
+    Graft moves the accepted tree path into place: they would store rejected rows."""
+    transfer = engine_args.kv_transfer_config
+    if isinstance(transfer, dict):
+        connector = transfer.get("kv_connector")
+    else:
+        connector = getattr(transfer, "kv_connector", None)
+    if connector:
+        raise ValueError(f"Graft does not support KV connectors (kv_transfer_config "
+                         f"names {connector!r}): they would save K/V of rejected tree rows")
+    if getattr(engine_args, "kv_offloading_size", None):
+        raise ValueError("Graft does not support KV offloading (kv_offloading_size is "
+                         f"{engine_args.kv_offloading_size}): offloaded blocks would hold "
+                         "K/V of rejected tree rows")
+
+
+def refuse_kv_sharing(layers: dict) -> None:
+    """Layers that reuse another layer's KV cache (``kv_sharing_target_layer_name``) get
+    no K/V written for their own rows, so Graft's KV move would skip them."""
+    sharing = sorted(name for name, layer in layers.items()
+                     if getattr(layer, "kv_sharing_target_layer_name", None))
+    if sharing:
+        raise ValueError(f"Graft does not support layers that share another layer's KV "
+                         f"cache: {', '.join(sharing[:4])}{' ...' if len(sharing) > 4 else ''}")
+
+
 # ---- 1, 2: configuration ----------------------------------------------------------------
 def _patch_engine_args() -> list[Patch]:
     from vllm.config import VllmConfig
@@ -58,6 +88,7 @@ def _patch_engine_args() -> list[Patch]:
         if isinstance(spec, dict):
             spec = {k.replace("-", "_"): v for k, v in spec.items()}
         if is_graft_spec(spec):
+            refuse_kv_transfer(self)
             eagle_spec, settings = translate_speculative_config(
                 spec, target_model=target_model_config.model,
                 target_vocab_size=target_model_config.get_vocab_size())
@@ -67,9 +98,15 @@ def _patch_engine_args() -> list[Patch]:
             # Tree verification needs synchronous steps; the per-step tree logic runs
             # eagerly (no CUDA graphs / compiled attention). The V1 runner is chosen by
             # the VllmConfig patch below.
+            if self.async_scheduling:
+                logger.warning("Graft: asynchronous scheduling turned off (tree "
+                               "verification needs each step's result before the next)")
             self.async_scheduling = False
             from vllm.platforms import current_platform
 
+            if not current_platform.is_cpu() and not self.enforce_eager:
+                logger.warning("Graft: eager mode forced (no CUDA graphs, no torch.compile):"
+                               " the tree steps run eagerly in this release")
             if not current_platform.is_cpu():
                 self.enforce_eager = True
                 target_model_config.enforce_eager = True
@@ -110,6 +147,10 @@ def _patch_engine_args() -> list[Patch]:
     def use_v2_model_runner(self):
         # Graft's tree verification lives in the V1 model runner
         if (self.additional_config or {}).get(ADDITIONAL_CONFIG_KEY) is not None:
+            if not _V1_RUNNER_LOGGED:
+                logger.info("Graft: using vLLM's V1 model runner (tree verification "
+                            "lives there)")
+                _V1_RUNNER_LOGGED.append(True)
             return False
         return call_original(VllmConfig, "use_v2_model_runner").fget(self)
 
@@ -135,6 +176,7 @@ def _patch_runner() -> list[Patch]:
     from vllm_graft.vllm import runner as graft_runner
     from vllm_graft.vllm.config import ADDITIONAL_CONFIG_KEY
     from vllm_graft.vllm.proposer import GraftDraftModelProposer, GraftProposer
+    from vllm_graft.vllm.kv_blocks import PagedKVLayout
     from vllm_graft.vllm.tree_attention import active_plan, check_impl_supported, kv_reader
 
     import torch
@@ -165,10 +207,9 @@ def _patch_runner() -> list[Patch]:
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
         out = call_original(cls, "initialize_kv_cache")(self, kv_cache_config, *args, **kwargs)
         if on(self):
-            if len(kv_cache_config.kv_cache_groups) != 1:
-                raise ValueError("Graft supports models with one KV-cache group (full "
-                                 "attention in every layer)")
+            self._graft_kv_layout = PagedKVLayout.from_runner(self)
             layers = self.compilation_config.static_forward_context
+            refuse_kv_sharing(layers)
             for name, layer in layers.items():
                 impl = getattr(layer, "impl", None)
                 kv_cache = getattr(layer, "kv_cache", None)

@@ -79,6 +79,11 @@ class Patch:
         raise PatchError(f"{_qualname(target)}.{attr} has no original to call")
 
 
+def patched_by(target: Any, attr: str) -> str | None:
+    """The name of the patch that replaced ``target.attr`` (on ``target`` itself), or None."""
+    return getattr(target, "__dict__", {}).get(_OWNERS_ATTR, {}).get(attr)
+
+
 def call_original(target: Any, attr: str) -> Callable[..., Any]:
     """Shorthand used inside replacements: ``call_original(Cls, "m")(self, ...)``."""
     return Patch.original(target, attr)

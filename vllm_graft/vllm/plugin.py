@@ -2,7 +2,10 @@
 
 vLLM calls :func:`register` in every process it starts (front end, engine core,
 workers, Ray workers), so installing vllm-graft is all a user does. The guards run
-first: a vLLM release other than the supported one is refused with both versions named.
+first: a vLLM release other than the supported one is refused with both versions named,
+and a vLLM whose patched or relied-on internals differ from the recorded fingerprints
+(:mod:`vllm_graft.vllm.fingerprints`) is refused with every differing symbol named,
+before any patch is applied.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ def register() -> None:
     from vllm_graft.vllm.version import check_vllm_version
 
     check_vllm_version()
+    from vllm_graft.vllm.fingerprints import verify_installed_vllm
+
+    verify_installed_vllm()
     from vllm_graft.vllm.patches import apply_all
 
     apply_all()

@@ -26,7 +26,6 @@ EAGLE's shifted input, and has no hidden-state input.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +42,7 @@ from vllm_graft.core.hybrid import HybridTree
 from vllm_graft.core.successor import SuccessorMatrix
 from vllm_graft.vllm.config import GraftSettings
 from vllm_graft.vllm.sampling import plain_decoding_reason
+from vllm_graft.vllm.timing import device_clock
 from vllm_graft.vllm.tree_attention import (TreeAttentionPlan, TreeKVStore, TreeRequestPlan,
                                             active_plan)
 
@@ -161,7 +161,8 @@ class GraftTreeDrafting:
                 self, root_logprobs=self._top_k(last_hidden[last_rows[index]]),
                 root_hidden=None if next_hidden is None else next_hidden[last_rows[index]],
                 root_positions=root_positions,
-                block_tables=self._block_table(runner)[batch_rows])
+                block_tables=self._kv_layout(runner).kernel_block_table(
+                    self._block_table(runner)[batch_rows.to(self.device)]))
         tree, stats = self.tree_builder.build(roots.to(self.device), expander)
         self.last_build = stats
         tree = _to_cpu(tree)
@@ -185,9 +186,13 @@ class GraftTreeDrafting:
         return plain_decoding_reason(req_state.sampling_params,
                                      len(req_state.output_token_ids)) is None
 
+    @staticmethod
+    def _kv_layout(runner):
+        return runner._graft_kv_layout
+
     def _block_table(self, runner) -> torch.Tensor:
-        num_reqs = runner.input_batch.num_reqs
-        return runner.input_batch.block_table[self.kv_cache_gid].get_device_tensor(num_reqs)
+        """Manager block ids of the persistent batch (the target's and drafter's group)."""
+        return self._kv_layout(runner).block_table(runner)
 
     def _catch_up(self, runner, settled: list[SettledRows],
                   aux_hidden_states: list[torch.Tensor]):
@@ -209,10 +214,9 @@ class GraftTreeDrafting:
 
         batch_rows = torch.tensor([s.batch_row for s in settled], dtype=torch.long)
         block_table = self._block_table(runner)[batch_rows.to(self.device)]
-        block_size = self.block_size
         req_of_row = torch.from_numpy(np.repeat(np.arange(len(settled)), counts)).to(self.device)
-        slot_mapping = (block_table[req_of_row, positions // block_size].long() * block_size
-                        + positions % block_size)
+        slot_mapping = self._kv_layout(runner).slots(
+            block_table[req_of_row], positions.unsqueeze(-1)).squeeze(-1)
         query_start = np.zeros(len(settled) + 1, dtype=np.int32)
         np.cumsum(counts, out=query_start[1:])
         seq_lens = np.array([pos[-1] + 1 for _, pos in per_request], dtype=np.int32)
@@ -235,12 +239,12 @@ class GraftTreeDrafting:
             built = group.build_metadata_for_drafting(common, draft_index=0)
             for name in group.layer_names:
                 metadata[name] = built
-        start = time.perf_counter()
+        start = device_clock(self.device)
         with set_forward_context(metadata, self.vllm_config, num_tokens=int(counts.sum()),
                                  slot_mapping={name: slot_mapping
                                                for name in self._draft_attn_layer_names}):
             last_hidden, next_hidden = self._forward(input_ids, positions, hidden)
-        self.forward_seconds += time.perf_counter() - start
+        self.forward_seconds += device_clock(self.device) - start
         last_rows = torch.from_numpy(query_start[1:].astype(np.int64) - 1).to(self.device)
         return last_rows, last_hidden, next_hidden
 
@@ -326,6 +330,7 @@ class _TreeExpansion:
         self.root_logprobs = root_logprobs  # ([D, top_k], [D, top_k])
         self.root_hidden = root_hidden  # [D, H], None for drafters without hidden input
         self.root_positions = root_positions.to(proposer.device)  # [D]
+        self.root_positions_host = root_positions.tolist()  # read per request, no sync
         self.block_tables = block_tables  # [D, max_blocks]
         self.store = TreeKVStore()
         self.hidden_rows: list[torch.Tensor] = []  # pre-norm outputs, store row order
@@ -367,9 +372,9 @@ class _TreeExpansion:
         # context: this request's earlier expansion rows that are ancestors of the node
         first_new_row = self.store.num_rows
         plans = []
-        ancestors = _ancestor_slots(pool.parents[active], slots, int(depths.max()))
-        for a in range(num_active):
-            b = int(active[a])
+        # nodes expanded at step s sit at depth s: the ancestor walk needs no device read
+        ancestors = _ancestor_slots(pool.parents[active], slots, step.step)
+        for a, b in enumerate(active.tolist()):  # one device read per draft step
             if self.expanded:
                 ctx_slots = torch.cat([e[b] for e in self.expanded])  # [C]
                 ctx_rows = self.row_of_slot[b, ctx_slots]
@@ -380,18 +385,18 @@ class _TreeExpansion:
             mask = torch.cat([visible_ctx, torch.eye(width, dtype=torch.bool, device=device)], 1)
             plans.append(TreeRequestPlan(
                 query_start=a * width, num_rows=width,
-                prefix_len=int(self.root_positions[b]) + proposer.PREFIX_EXTRA,
+                prefix_len=self.root_positions_host[b] + proposer.PREFIX_EXTRA,
                 block_table=self.block_tables[b],
                 mask=mask, context_rows=ctx_rows))
         plan = TreeAttentionPlan(requests=plans, store=self.store, replace_all=True,
                                  store_rows=torch.arange(num_active * width, device=device))
-        start = time.perf_counter()
+        start = device_clock(device)
         with active_plan(plan), set_forward_context(
                 {name: None for name in proposer._draft_attn_layer_names},
                 proposer.vllm_config, num_tokens=num_active * width, slot_mapping={}):
             last_hidden, next_hidden = proposer._forward(
                 tokens.reshape(-1).to(torch.int32), positions, hidden)
-        proposer.forward_seconds += time.perf_counter() - start
+        proposer.forward_seconds += device_clock(device) - start
         self.store.num_rows += num_active * width
         if next_hidden is not None:
             self.hidden_rows.append(next_hidden)

@@ -20,7 +20,6 @@ the scheduler rolls back exactly the rejected rows.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -32,7 +31,9 @@ from vllm_graft.core.acceptance import AcceptanceResult, walk_tree
 from vllm_graft.core.graft import accepted_by_source
 from vllm_graft.core.hybrid import HybridTree, ancestor_mask
 from vllm_graft.vllm.proposer import GraftProposer, PendingTree, SettledRows
-from vllm_graft.vllm.tree_attention import TreeAttentionPlan, TreeKVStore, TreeRequestPlan
+from vllm_graft.vllm.timing import device_clock
+from vllm_graft.vllm.tree_attention import (TreeAttentionPlan, TreeRequestPlan, kv_reader,
+                                            read_slots)
 
 
 #: Callbacks ``observer(tree: VerifiedTree, accepted_rows: list[int])`` called in the
@@ -55,7 +56,6 @@ class GraftStep:
 
     trees: list[VerifiedTree]
     plan: TreeAttentionPlan | None
-    store: TreeKVStore
     result: AcceptanceResult | None = None  # rows follow the persistent batch
 
 
@@ -77,11 +77,11 @@ class GraftStats:
 
 
 def prepare_tree_verification(runner, scheduler_output) -> GraftStep:
-    start = time.perf_counter()
+    start = device_clock(runner.device)
     try:
         return _prepare_tree_verification(runner, scheduler_output)
     finally:
-        runner._graft_stats.add_seconds("bookkeeping", time.perf_counter() - start)
+        runner._graft_stats.add_seconds("bookkeeping", device_clock(runner.device) - start)
 
 
 def _prepare_tree_verification(runner, scheduler_output) -> GraftStep:
@@ -102,11 +102,11 @@ def _prepare_tree_verification(runner, scheduler_output) -> GraftStep:
             prefix_len=int(batch.num_computed_tokens_cpu[row]),
             tree=pending.truncated(rows)))
     if not trees:
-        return GraftStep(trees=[], plan=None, store=TreeKVStore())
+        return GraftStep(trees=[], plan=None)
 
-    block_table = batch.block_table[proposer.kv_cache_gid].get_device_tensor(batch.num_reqs)
-    store = TreeKVStore()
-    requests, store_rows = [], []
+    layout = runner._graft_kv_layout
+    block_table = layout.kernel_block_table(layout.block_table(runner))
+    requests = []
     for t in trees:
         n = t.tree.tokens.numel()
         rows = torch.arange(t.query_start, t.query_start + n, device=runner.positions.device)
@@ -116,10 +116,7 @@ def _prepare_tree_verification(runner, scheduler_output) -> GraftStep:
         requests.append(TreeRequestPlan(
             query_start=t.query_start, num_rows=n, prefix_len=t.prefix_len,
             block_table=block_table[t.batch_row], mask=mask.to(runner.device)))
-        store_rows.append(rows)
-    plan = TreeAttentionPlan(requests=requests, store=store,
-                             store_rows=torch.cat(store_rows).to(runner.device))
-    return GraftStep(trees=trees, plan=plan, store=store)
+    return GraftStep(trees=trees, plan=TreeAttentionPlan(requests=requests))
 
 
 def _batch_trees(trees: list[VerifiedTree], batch: int, device) -> HybridTree:
@@ -138,10 +135,23 @@ def _batch_trees(trees: list[VerifiedTree], batch: int, device) -> HybridTree:
         depths[t.batch_row, :n] = t.tree.depths
         source[t.batch_row, :n] = t.tree.source
     valid = tokens >= 0
-    tokens, parents, depths, source, valid = (x.to(device) for x in
-                                               (tokens, parents, depths, source, valid))
     return HybridTree(tokens=tokens, parents=parents, depths=depths, valid=valid,
                       source=source, ancestor=torch.empty(0), num_nodes=valid.sum(1))
+
+
+def _on_device(tree: HybridTree, device) -> HybridTree:
+    return HybridTree(**{name: getattr(tree, name).to(device) for name in
+                         ("tokens", "parents", "depths", "valid", "source", "ancestor",
+                          "num_nodes")})
+
+
+def _to_host(result: AcceptanceResult) -> AcceptanceResult:
+    """The acceptance result on the host, read once per step: every per-request loop
+    after acceptance uses this copy, so the device is synchronised a fixed number of
+    times per step rather than once per request."""
+    return AcceptanceResult(accepted_rows=result.accepted_rows.cpu(),
+                            output_tokens=result.output_tokens.cpu(),
+                            num_accepted=result.num_accepted.cpu())
 
 
 @contextlib.contextmanager
@@ -168,7 +178,7 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
     """
     step: GraftStep = runner._graft_step
     stats: GraftStats = runner._graft_stats
-    start = time.perf_counter()
+    start = device_clock(logits.device)
     level_zero_seconds = 0.0
     sampling_metadata = runner.input_batch.sampling_metadata
     device = logits.device
@@ -176,46 +186,48 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
     starts = torch.cumsum(num_sampled, 0) - num_sampled  # first logits row per request
     batch = num_sampled.numel()
     trees = step.trees if step is not None else []
-    tree = _batch_trees(trees, batch, device)
+    host_tree = _batch_trees(trees, batch, device)
+    tree = _on_device(host_tree, device)
     level_logprobs = []
     all_rows = torch.arange(batch, device=device)
 
     def sample_level(level: int, rows: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
         nonlocal level_zero_seconds
-        level_start = time.perf_counter()
+        level_start = device_clock(device) if level == 0 else 0.0
         node = torch.zeros(batch, dtype=torch.long, device=device)
         node[rows] = current
         walking = torch.zeros(batch, dtype=torch.bool, device=device)
         walking[rows] = True
-        with _frozen_generators(sampling_metadata.generators, all_rows[~walking].tolist()):
+        stopped = all_rows[~walking].tolist() if sampling_metadata.generators else ()
+        with _frozen_generators(sampling_metadata.generators, stopped):
             out = runner.sampler(logits=logits[starts + node],
                                  sampling_metadata=sampling_metadata)
         level_logprobs.append(out.logprobs_tensors)
         if level == 0:  # plain decoding samples this row too: not Graft's overhead
-            level_zero_seconds += time.perf_counter() - level_start
+            level_zero_seconds += device_clock(device) - level_start
         return out.sampled_token_ids.view(-1)[rows].long()
 
     result = walk_tree(tree, sample_level)
     output = result.output_tokens
     if trees:
-        step.result = result
-        _move_accepted_kv(runner, step, result)
-        verified = torch.tensor([t.batch_row for t in trees], device=device)
+        host = _to_host(result)
+        step.result = host
+        _move_accepted_kv(runner, step, host)
         stats.counts["verified_trees"] += len(trees)
-        stats.counts["verified_nodes"] += int(tree.num_nodes[verified].sum()) - len(trees)
-        for source, n in accepted_by_source(tree, result).items():
+        stats.counts["verified_nodes"] += sum(t.tree.tokens.numel() - 1 for t in trees)
+        for source, n in accepted_by_source(host_tree, host).items():
             stats.counts[f"accepted_{source}"] += n
         for observer in TREE_OBSERVERS:
             for t in trees:
-                count = int(result.num_accepted[t.batch_row])
-                observer(t, result.accepted_rows[t.batch_row, :count].tolist())
+                count = int(host.num_accepted[t.batch_row])
+                observer(t, host.accepted_rows[t.batch_row, :count].tolist())
     _learn(runner, logits, spec_decode_metadata, starts, trees)
     logprobs = None
     if level_logprobs[0] is not None:
         logprobs = _stack_levels(level_logprobs, output.shape[1])
     if step is not None and step.plan is not None:
         stats.add_seconds("tree_attention", step.plan.seconds)
-    stats.add_seconds("bookkeeping", time.perf_counter() - start - level_zero_seconds)
+    stats.add_seconds("bookkeeping", device_clock(device) - start - level_zero_seconds)
     return SamplerOutput(sampled_token_ids=output.to(torch.int32), logprobs_tensors=logprobs)
 
 
@@ -251,34 +263,34 @@ def _learn(runner, logits, spec_decode_metadata, starts, trees) -> None:
             rows.append(row)
             tokens.append(input_ids[spec_decode_metadata.logits_indices[row]].long())
     rows = torch.cat(rows)
-    runner.drafter.matrix.update_from_logits_(torch.cat(tokens), logits[rows])
+    runner.drafter.matrix.update_from_logits_(torch.cat(tokens), logits, rows)
 
 
 def _move_accepted_kv(runner, step: GraftStep, result: AcceptanceResult) -> None:
-    """Copy the accepted rows' K/V (kept from the forward) to positions
-    ``prefix + 1 .. prefix + L`` in every target layer, so the cache is what a chain of
-    the same tokens would have left; RoPE already used those positions."""
-    sources, destinations = [], []
-    offset = 0
-    block_table = runner.input_batch.block_table[runner.drafter.kv_cache_gid]
-    table = block_table.get_device_tensor(runner.input_batch.num_reqs)
-    block_size = block_table.block_size
+    """Copy the accepted rows' K/V to positions ``prefix + 1 .. prefix + L`` in every
+    target layer, so the cache is what a chain of the same tokens would have left; RoPE
+    already used those positions. vLLM wrote tree row ``r``'s K/V at the slot of position
+    ``prefix + r``. In each layer all sources are read before any destination is
+    written, since a destination may be another accepted row's source.
+    ``result`` is the host copy (:func:`_to_host`)."""
+    requests, sources, destinations = [], [], []
     for verified in step.trees:
         count = int(result.num_accepted[verified.batch_row])
         if count:
-            rows = result.accepted_rows[verified.batch_row, :count]
-            positions = verified.prefix_len + torch.arange(1, count + 1, device=rows.device)
-            slots = (table[verified.batch_row, positions // block_size].long() * block_size
-                     + positions % block_size)
-            sources.append(rows + offset)
-            destinations.append(slots)
-        offset += verified.tree.tokens.numel()
-    if not sources:
+            requests.append(torch.full((count,), verified.batch_row))
+            sources.append(verified.prefix_len + result.accepted_rows[verified.batch_row, :count])
+            destinations.append(verified.prefix_len + torch.arange(1, count + 1))
+    if not requests:
         return
-    src = torch.cat(sources)
-    dst = torch.cat(destinations)
-    for name, layer in step.store.layers.items():
-        keys, values = step.store.rows(name, src)
+    layout = runner._graft_kv_layout
+    table = layout.block_table(runner)
+    device = table.device
+    tables = table[torch.cat(requests).to(device)]
+    src = layout.slots(tables, torch.cat(sources).to(device).unsqueeze(-1)).squeeze(-1)
+    dst = layout.slots(tables, torch.cat(destinations).to(device).unsqueeze(-1)).squeeze(-1)
+    for layer in step.plan.layers.values():
+        reader = kv_reader(layer.impl, layer, layer.kv_cache)
+        keys, values = read_slots(reader, layer.kv_cache, src)
         layer.impl.do_kv_cache_update(layer, keys, values, layer.kv_cache, dst)
 
 
@@ -327,23 +339,33 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
     proposer: GraftProposer = runner.drafter
     step: GraftStep | None = runner._graft_step
     runner._graft_step = None
-    start, forwards = time.perf_counter(), proposer.forward_seconds
+    start, forwards = device_clock(runner.device), proposer.forward_seconds
     settled = settled_rows(runner, scheduler_output, sampled_token_ids, step)
     drafts = proposer.propose_trees(runner, scheduler_output, settled, aux_hidden_states)
     build = proposer.last_build
     stats: GraftStats = runner._graft_stats
     forward_seconds = proposer.forward_seconds - forwards
     stats.add_seconds("draft_forward", forward_seconds)
-    stats.add_seconds("bookkeeping", time.perf_counter() - start - forward_seconds)
+    stats.add_seconds("bookkeeping", device_clock(runner.device) - start - forward_seconds)
     if build is not None:
-        stats.counts["trees_built"] += build.stage.numel()
-        stats.counts["draft_forwards"] += int(build.draft_steps.sum())
-        stats.counts["draft_nodes"] += int(build.draft_nodes.sum())
-        stats.counts["retrieved_nodes"] += int(build.retrieved_nodes.sum())
-        stats.counts["merged_nodes"] += int(build.both_nodes.sum())
-        stats.counts["retrieval_lookups"] += int(build.retrieval_lookups.sum())
-        stats.counts["retrieval_hits"] += int(build.retrieval_hits.sum())
-        names = [f"stage_{cp}" for cp in proposer.settings.config.checkpoints] + ["stage_full"]
-        for stage in build.stage.tolist():
-            stats.counts["stage_none" if stage < 0 else names[stage]] += 1
+        _count_build(stats, build, proposer.settings.config.checkpoints)
     return drafts
+
+
+#: BuildStats fields summed into the counter of the same meaning
+_BUILD_TOTALS = {"draft_forwards": "draft_steps", "draft_nodes": "draft_nodes",
+                 "retrieved_nodes": "retrieved_nodes", "merged_nodes": "both_nodes",
+                 "retrieval_lookups": "retrieval_lookups", "retrieval_hits": "retrieval_hits"}
+
+
+def _count_build(stats: GraftStats, build, checkpoints) -> None:
+    """Add one tree build's facts to the counters with a single device read."""
+    totals = [getattr(build, field).sum() for field in _BUILD_TOTALS.values()]
+    values = torch.cat([torch.stack(totals), build.stage.long()]).tolist()
+    for name, value in zip(_BUILD_TOTALS, values):
+        stats.counts[name] += int(value)
+    stages = values[len(_BUILD_TOTALS):]
+    stats.counts["trees_built"] += len(stages)
+    names = [f"stage_{cp}" for cp in checkpoints] + ["stage_full"]
+    for stage in stages:
+        stats.counts["stage_none" if stage < 0 else names[stage]] += 1

@@ -15,17 +15,28 @@ The paged cache is read by the reader that :func:`kv_reader` finds to reproduce 
 backend's own cache-update op wrote (checked once per backend, dtype and shape, at
 start-up): a backend that stores KV some other way makes Graft fail loudly instead of
 attending to garbage.
+
+On GPUs, when the layout is one the Triton kernel reads (FlashAttention's and the other
+5-D layouts, and the heads-first 4-D one), the tree rows of all requests are computed by
+:func:`~vllm_graft.kernels.tree_attention_triton.paged_tree_attention` in one launch per
+layer, straight from the paged cache; the SDPA path is the fallback and the reference
+(``VLLM_GRAFT_TREE_KERNEL=0`` forces it). The kernel is checked against it at start-up on
+the backend's own layout.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
+import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 _ACTIVE_PLAN: contextvars.ContextVar[TreeAttentionPlan | None] = contextvars.ContextVar(
     "vllm_graft_tree_plan", default=None)
@@ -60,8 +71,9 @@ class TreeKVStore:
     """Fresh K/V of tree rows, per attention layer, appended forward by forward.
 
     Row ``i`` of the store is the ``i``-th tree row ever appended (the same numbering
-    in every layer). The target's store feeds the KV move after acceptance; the
-    drafter's store is the context of later draft steps.
+    in every layer). Only the drafter keeps one: its tree rows are never written to the
+    paged cache, and later draft steps attend to them. (The target's tree rows are in
+    the paged cache, which the KV move reads.)
     """
 
     keys: dict[str, list[torch.Tensor]] = field(default_factory=dict)
@@ -92,6 +104,8 @@ class TreeAttentionPlan:
     # the K/V rows this forward appends to the store, in store order
     store_rows: torch.Tensor | None = None
     seconds: float = 0.0  # time spent recomputing tree rows (for the overhead metrics)
+    kernel_batch: KernelBatch | None = None  # the kernel's inputs, built at first use
+    layers: dict[str, object] = field(default_factory=dict)  # attention layers it ran in
 
 
 @contextlib.contextmanager
@@ -155,13 +169,64 @@ def _read_kv_second(kv_cache, block_table, length):
     return chunk[0].transpose(0, 1), chunk[1].transpose(0, 1)
 
 
+# Slot readers: K and V at given cache slots, as two [N, kv_heads, head] tensors (used to
+# move accepted tree rows, whose K/V vLLM wrote at their own slots, to the chain's).
+def _slots_cpu(kv_cache, slots):
+    blocks, heads, block_size, two_head = kv_cache.shape
+    head = two_head // 2
+    n, block, offset = slots.numel(), slots // block_size, slots % block_size
+    chunk = kv_cache[block].reshape(n, heads, 2, block_size * head)
+    index = torch.arange(n, device=slots.device)
+    k = chunk[:, :, 0].reshape(n, heads, head, block_size)[index, :, :, offset]
+    v = chunk[:, :, 1].reshape(n, heads, block_size, head)[index, :, offset]
+    return k, v
+
+
+def _slots_heads_kv_last(kv_cache, slots):
+    block_size, head = kv_cache.shape[2], kv_cache.shape[3] // 2
+    rows = kv_cache[slots // block_size, :, slots % block_size]  # [N, heads, 2 * head]
+    return rows[..., :head], rows[..., head:]
+
+
+def _slots_kv_first(kv_cache, slots):
+    block_size = kv_cache.shape[2]
+    planes = kv_cache[:, slots // block_size, slots % block_size]  # [2, N, heads, head]
+    return planes[0], planes[1]
+
+
+def _slots_kv_second(kv_cache, slots):
+    block_size = kv_cache.shape[2]
+    rows = kv_cache[slots // block_size, :, slots % block_size]  # [N, 2, heads, head]
+    return rows[:, 0], rows[:, 1]
+
+
+SLOT_READERS = {_read_cpu: _slots_cpu, _read_heads_kv_last: _slots_heads_kv_last,
+                _read_kv_first: _slots_kv_first, _read_kv_second: _slots_kv_second}
+
+
+def read_slots(reader, kv_cache: torch.Tensor, slots: torch.Tensor):
+    """K and V (``[N, kv_heads, head]`` each) at ``slots`` of a cache that ``reader`` reads.
+    Slot numbers are the same whether the cache is viewed in manager or kernel blocks."""
+    return SLOT_READERS[reader](kv_cache, slots.long())
+
+
 _READERS = {4: (_read_cpu, _read_heads_kv_last), 5: (_read_kv_first, _read_kv_second)}
 _DETECTED: dict[tuple, object] = {}
+_KERNEL_REFUSED: set[tuple] = set()  # layouts whose start-up kernel check failed
+
+
+def _layout_key(impl, layer, kv_cache: torch.Tensor) -> tuple:
+    return (type(impl), getattr(layer, "isa", None), kv_cache.dtype, tuple(kv_cache.shape[1:]))
+
+
+def kernel_allowed(impl, layer, kv_cache: torch.Tensor) -> bool:
+    """The kernel may serve this layer: enabled, and its start-up check passed."""
+    return kernel_enabled(kv_cache) and _layout_key(impl, layer, kv_cache) not in _KERNEL_REFUSED
 
 
 def kv_reader(impl, layer, kv_cache: torch.Tensor):
     """The reader that reproduces what ``impl.do_kv_cache_update`` wrote (cached)."""
-    key = (type(impl), getattr(layer, "isa", None), kv_cache.dtype, tuple(kv_cache.shape[1:]))
+    key = _layout_key(impl, layer, kv_cache)
     if key in _DETECTED:
         return _DETECTED[key]
     blocks_first = kv_cache.shape[0] != 2
@@ -182,9 +247,19 @@ def kv_reader(impl, layer, kv_cache: torch.Tensor):
             got_k, got_v = reader(scratch, block_table, length)
         except RuntimeError:
             continue
+        picked = torch.tensor([length - 1, 0, block_size], device=kv_cache.device)
+        slot_k, slot_v = read_slots(reader, scratch, slots[picked])
         if (got_k.shape == (heads, length, head) and torch.equal(got_k.cpu(), k.transpose(0, 1))
-                and torch.equal(got_v.cpu(), v.transpose(0, 1))):
+                and torch.equal(got_v.cpu(), v.transpose(0, 1))
+                and torch.equal(slot_k.cpu(), k[picked.cpu()])
+                and torch.equal(slot_v.cpu(), v[picked.cpu()])):
             _DETECTED[key] = reader
+            if kernel_enabled(kv_cache) and not check_kernel_on_layout(
+                    reader, scratch, block_table, length, layer.num_heads, impl.scale):
+                _KERNEL_REFUSED.add(key)
+                logger.warning("Graft: the Triton tree-attention kernel disagrees with the "
+                               "SDPA path on %s's KV layout; using SDPA",
+                               type(impl).__name__)
             return reader
     raise TreeAttentionError(
         f"Graft's tree attention cannot read the paged KV cache of {type(impl).__name__} "
@@ -210,7 +285,7 @@ def check_impl_supported(impl) -> None:
 
 def tree_attention_forward(original, impl, layer, query, key, value, kv_cache,
                            attn_metadata, output, *args, **kwargs):
-    """Replacement body of ``CPUAttentionBackendImpl.forward``."""
+    """Replacement body of the attention implementation's ``forward``."""
     plan = current_plan()
     if plan is None:
         return original(impl, layer, query, key, value, kv_cache, attn_metadata, output,
@@ -221,11 +296,28 @@ def tree_attention_forward(original, impl, layer, query, key, value, kv_cache,
     start = time.perf_counter()
     check_impl_supported(impl)
     read_paged_kv = kv_reader(impl, layer, kv_cache)
-    rows_key, rows_value = key, value  # [tokens, kv_heads, head]
+    plan.layers[layer.layer_name] = layer
     if plan.store is not None:
         index = plan.store_rows
-        plan.store.append(layer, rows_key[index], rows_value[index])
+        plan.store.append(layer, key[index], value[index])
     out_view = output.view(output.shape[0], query.shape[1], -1)
+    views = kernel_cache_views(read_paged_kv, kv_cache) \
+        if kernel_allowed(impl, layer, kv_cache) else None
+    if views is not None and not any(r.context_rows is not None and r.context_rows.numel()
+                                     for r in plan.requests):
+        kernel_tree_rows(plan, query, views, impl.scale, out_view)
+    else:
+        sdpa_tree_rows(plan, layer.layer_name, query, key, value, kv_cache, read_paged_kv,
+                       impl.scale, out_view)
+    if not query.is_cuda:  # on a GPU this is part of the forward (timing it per layer
+        plan.seconds += time.perf_counter() - start  # would synchronise every layer)
+    return output
+
+
+def sdpa_tree_rows(plan: TreeAttentionPlan, layer_name: str, query, key, value, kv_cache,
+                   read_paged_kv, scale: float, out_view: torch.Tensor) -> None:
+    """The reference path: per request, the prefix read from the paged cache, earlier
+    draft rows from the store, this forward's rows from ``key``/``value``; SDPA in fp32."""
     for req in plan.requests:
         rows = slice(req.query_start, req.query_start + req.num_rows)
         if req.prefix_len:
@@ -235,11 +327,11 @@ def tree_attention_forward(original, impl, layer, query, key, value, kv_cache,
         parts_k = [k_prefix.transpose(0, 1)]
         parts_v = [v_prefix.transpose(0, 1)]
         if req.context_rows is not None and req.context_rows.numel():
-            k_ctx, v_ctx = plan.store.rows(layer.layer_name, req.context_rows)
+            k_ctx, v_ctx = plan.store.rows(layer_name, req.context_rows)
             parts_k.append(k_ctx)
             parts_v.append(v_ctx)
-        parts_k.append(rows_key[rows])
-        parts_v.append(rows_value[rows])
+        parts_k.append(key[rows])
+        parts_v.append(value[rows])
         k_all = torch.cat(parts_k).transpose(0, 1).float()  # [kv_heads, S, head]
         v_all = torch.cat(parts_v).transpose(0, 1).float()
         q = query[rows].transpose(0, 1).float()  # [heads, n, head]
@@ -250,8 +342,118 @@ def tree_attention_forward(original, impl, layer, query, key, value, kv_cache,
         visible = torch.cat([
             torch.ones((req.num_rows, req.prefix_len), dtype=torch.bool, device=q.device),
             req.mask.to(q.device)], dim=1)
-        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=visible,
-                                             scale=impl.scale)
-        out_view[rows] = out.transpose(0, 1).to(output.dtype)
-    plan.seconds += time.perf_counter() - start
-    return output
+        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=visible, scale=scale)
+        out_view[rows] = out.transpose(0, 1).to(out_view.dtype)
+
+
+# ---- the Triton kernel path --------------------------------------------------------------
+# The tree rows' own K/V are in the paged cache already (vLLM writes every row's K/V to
+# its slot before the attention forward), so the kernel reads prefix and tree alike from
+# the cache, in one launch per layer for all requests. Plans whose rows also attend to
+# K/V kept outside the cache (the drafter's later tree steps) use the SDPA path.
+TREE_KERNEL_ENV = "VLLM_GRAFT_TREE_KERNEL"
+
+
+def kernel_enabled(kv_cache: torch.Tensor) -> bool:
+    """The Triton kernel serves CUDA caches unless ``VLLM_GRAFT_TREE_KERNEL=0``."""
+    if not kv_cache.is_cuda or os.environ.get(TREE_KERNEL_ENV, "1") == "0":
+        return False
+    return _triton_available()
+
+
+def check_kernel_on_layout(reader, scratch: torch.Tensor, block_table: torch.Tensor,
+                           length: int, heads: int, scale: float) -> bool:
+    """Start-up check, on a scratch cache the backend itself wrote: the kernel's tree rows
+    equal the SDPA path's. A layout the kernel misreads is served by SDPA instead."""
+    views = kernel_cache_views(reader, scratch)
+    if views is None:
+        return False
+    rows = 3  # the last three positions form a tree: root, and two children of the root
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool,
+                        device=scratch.device)
+    plan = TreeAttentionPlan(requests=[TreeRequestPlan(
+        query_start=0, num_rows=rows, prefix_len=length - rows, block_table=block_table,
+        mask=mask)])
+    kv_heads, head = views[0].shape[2], views[0].shape[3]
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    query = torch.randn(rows, heads, head, generator=gen).to(scratch.device, scratch.dtype)
+    keys, values = reader(scratch, block_table, length)  # [kv_heads, length, head]
+    expected = torch.empty_like(query)
+    sdpa_tree_rows(plan, "", query, keys[:, -rows:].transpose(0, 1),
+                   values[:, -rows:].transpose(0, 1), scratch, reader, scale, expected)
+    got = torch.empty_like(query)
+    kernel_tree_rows(plan, query, views, scale, got)
+    error = float((got.float() - expected.float()).norm() / expected.float().norm())
+    return error < 2e-2
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def kernel_cache_views(reader, kv_cache: torch.Tensor):
+    """``(key_cache, value_cache)`` as ``[blocks, block_size, kv_heads, head]`` strided views
+    of ``kv_cache`` for the layouts the kernel reads, or None (the CPU layout stores K
+    transposed within a block)."""
+    if reader is _read_kv_first:
+        return kv_cache[0], kv_cache[1]
+    if reader is _read_kv_second:
+        return kv_cache[:, 0], kv_cache[:, 1]
+    if reader is _read_heads_kv_last:
+        head = kv_cache.shape[-1] // 2
+        return (kv_cache[..., :head].permute(0, 2, 1, 3),
+                kv_cache[..., head:].permute(0, 2, 1, 3))
+    return None
+
+
+@dataclass
+class KernelBatch:
+    """The plan's requests in the kernel's layout (built once per forward, shared by all
+    layers): which rows of the forward are tree rows, and per request its block table,
+    lengths and bit-packed tree mask."""
+
+    rows: torch.Tensor  # [T] rows of the forward, request after request
+    block_table: torch.Tensor  # [R, max_blocks] int32
+    query_start_loc: torch.Tensor  # [R + 1] int32
+    seq_lens: torch.Tensor  # [R] int32
+    tree_start: torch.Tensor  # [R] int32
+    tree_bits: torch.Tensor  # [T] int64
+
+    @classmethod
+    def from_plan(cls, plan: TreeAttentionPlan, device) -> KernelBatch:
+        from vllm_graft.kernels.tree_mask import pack_ancestor_bits
+
+        requests = plan.requests
+        rows = torch.cat([torch.arange(r.query_start, r.query_start + r.num_rows)
+                          for r in requests])
+        counts = torch.tensor([r.num_rows for r in requests], dtype=torch.int32)
+        prefix = torch.tensor([r.prefix_len for r in requests], dtype=torch.int32)
+        width = max(r.block_table.numel() for r in requests)
+        table = torch.zeros((len(requests), width), dtype=torch.int32, device=device)
+        for i, r in enumerate(requests):
+            table[i, :r.block_table.numel()] = r.block_table.to(device)
+        bits = torch.cat([pack_ancestor_bits(r.mask[:, -r.num_rows:].to(device))
+                          for r in requests])
+        return cls(rows=rows.to(device), block_table=table,
+                   query_start_loc=torch.cat([counts.new_zeros(1), counts.cumsum(0)]
+                                             ).to(torch.int32).to(device),
+                   seq_lens=(prefix + counts).to(device), tree_start=prefix.to(device),
+                   tree_bits=bits)
+
+
+def kernel_tree_rows(plan: TreeAttentionPlan, query: torch.Tensor, views, scale: float,
+                     out_view: torch.Tensor) -> None:
+    from vllm_graft.kernels.tree_attention_triton import paged_tree_attention
+
+    if plan.kernel_batch is None:
+        plan.kernel_batch = KernelBatch.from_plan(plan, query.device)
+    batch = plan.kernel_batch
+    key_cache, value_cache = views
+    out = paged_tree_attention(
+        query[batch.rows], key_cache, value_cache, batch.block_table, batch.query_start_loc,
+        batch.seq_lens, batch.tree_start, batch.tree_bits, scale)
+    out_view[batch.rows] = out.view(out.shape[0], out_view.shape[1], -1).to(out_view.dtype)

