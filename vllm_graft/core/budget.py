@@ -1,0 +1,255 @@
+"""Cost-aware tree size: how many of a step's candidate nodes are worth verifying.
+
+A verification forward costs more as the batch's query tokens grow (slowly while the
+GPU has idle compute, then linearly), and a node is only worth its tokens if it is
+likely to be accepted. Three pieces, all batched and device-agnostic:
+
+* :class:`CostModel`: step time in ms as a function of the batch size and the batch's
+  total query tokens, piecewise linear through measured points (a start-up profile or
+  ``scripts/gpu_check.sh``'s cost curve), plus Graft's fixed per-step cost and its cost
+  per verified node; refreshed online from measured steps.
+* :class:`AcceptanceModel`: the probability that a node is accepted given that its
+  parent was, per (source, depth, score bucket), learned online from verified trees
+  (Beta counts seeded by a prior). A node's probability of lying on the accepted path
+  is the product along its ancestors (:func:`path_probability`).
+* :func:`choose_nodes`: for the whole batch, the set of nodes whose verification
+  maximises expected emitted tokens per millisecond. Expected emitted tokens of a step
+  are ``batch + sum of the chosen nodes' path probabilities`` (every request emits its
+  bonus token), so ranking all candidates by path probability and taking the best
+  prefix is exact for a cost that depends on the token count only; ties keep parents
+  before children, so the choice is always a set of subtrees under the roots. Choosing
+  no node means plain decoding for that request.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SOURCE_NAMES = ("draft", "retrieved", "both")
+
+
+# ---- cost ------------------------------------------------------------------------------
+@dataclass
+class CostModel:
+    """Step time (ms) = verification forward + Graft's fixed cost + per-node cost.
+
+    ``curves`` maps a batch size to ``(tokens, ms)``: increasing total query tokens of
+    the batch and the forward's time there. Between measured batch sizes the time is
+    interpolated linearly; past the last point of a curve it grows with the curve's last
+    slope. ``overhead_ms`` (drafting, bookkeeping per step) and ``per_node_ms`` (Graft's
+    work per verified node) are added to every step that verifies a tree.
+    """
+
+    curves: dict[int, tuple[list[float], list[float]]]
+    overhead_ms: float = 0.0
+    per_node_ms: float = 0.0
+    key: dict[str, str] = field(default_factory=dict)  # model, device, dtype, layout
+
+    def __post_init__(self):
+        if not self.curves:
+            raise ValueError("a cost model needs at least one measured curve")
+        for batch, (tokens, ms) in self.curves.items():
+            if len(tokens) != len(ms) or len(tokens) < 2:
+                raise ValueError(f"curve for batch {batch}: need >= 2 points, got "
+                                 f"{len(tokens)} tokens and {len(ms)} times")
+            if any(b <= a for a, b in zip(tokens, tokens[1:])):
+                raise ValueError(f"curve for batch {batch}: tokens must increase")
+
+    def verify_ms(self, batch: int, total_tokens: torch.Tensor) -> torch.Tensor:
+        """Forward time for ``total_tokens`` (any shape) query tokens at ``batch``."""
+        sizes = sorted(self.curves)
+        total_tokens = total_tokens.to(torch.float64)
+        if batch <= sizes[0] or batch >= sizes[-1]:
+            nearest = sizes[0] if batch <= sizes[0] else sizes[-1]
+            return self._curve_ms(nearest, total_tokens)
+        upper = next(s for s in sizes if s >= batch)
+        lower = max(s for s in sizes if s <= batch)
+        if upper == lower:
+            return self._curve_ms(lower, total_tokens)
+        # same tokens per request on both neighbouring curves, then linear in batch
+        per_request = total_tokens / batch
+        low = self._curve_ms(lower, per_request * lower)
+        high = self._curve_ms(upper, per_request * upper)
+        weight = (batch - lower) / (upper - lower)
+        return low + weight * (high - low)
+
+    def step_ms(self, batch: int, nodes: torch.Tensor) -> torch.Tensor:
+        """Time of a step that verifies ``nodes`` tree nodes in total (plus the batch's
+        roots); a step with no node is plain decoding and pays no Graft overhead."""
+        nodes = nodes.to(torch.float64)
+        graft = torch.where(nodes > 0, self.overhead_ms + self.per_node_ms * nodes,
+                            torch.zeros_like(nodes))
+        return self.verify_ms(batch, batch + nodes) + graft
+
+    def _curve_ms(self, batch: int, tokens: torch.Tensor) -> torch.Tensor:
+        xs = torch.tensor(self.curves[batch][0], dtype=torch.float64, device=tokens.device)
+        ys = torch.tensor(self.curves[batch][1], dtype=torch.float64, device=tokens.device)
+        index = torch.searchsorted(xs, tokens.contiguous()).clamp(1, xs.numel() - 1)
+        x0, x1, y0, y1 = xs[index - 1], xs[index], ys[index - 1], ys[index]
+        return y0 + (tokens - x0) * (y1 - y0) / (x1 - x0)  # extrapolates at both ends
+
+    def observe(self, batch: int, total_tokens: int, measured_ms: float,
+                rate: float = 0.1) -> None:
+        """Move the nearest measured curve toward a real step's forward time: the whole
+        curve is scaled, so the profile's shape is kept and its level tracks the device
+        (clock changes, other tenants, a different context length)."""
+        nearest = min(self.curves, key=lambda size: abs(size - batch))
+        predicted = float(self._curve_ms(nearest, torch.tensor([float(total_tokens)]))[0])
+        if predicted <= 0 or measured_ms <= 0:
+            return
+        scale = (measured_ms / predicted) ** rate
+        tokens, ms = self.curves[nearest]
+        self.curves[nearest] = (tokens, [value * scale for value in ms])
+
+    # persistence: a profile is cached per (model, device, dtype, parallel layout)
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps({
+            "key": self.key, "overhead_ms": self.overhead_ms, "per_node_ms": self.per_node_ms,
+            "curves": {str(b): {"tokens": t, "ms": m} for b, (t, m) in self.curves.items()}},
+            indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path, expected_key: dict[str, str] | None = None) -> CostModel:
+        """Raises ValueError naming the file when it is malformed or was measured for
+        another model, device, dtype or layout than ``expected_key``."""
+        try:
+            data = json.loads(Path(path).read_text())
+            curves = {int(b): (list(map(float, c["tokens"])), list(map(float, c["ms"])))
+                      for b, c in data["curves"].items()}
+            model = cls(curves=curves, overhead_ms=float(data.get("overhead_ms", 0.0)),
+                        per_node_ms=float(data.get("per_node_ms", 0.0)),
+                        key=dict(data.get("key", {})))
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"cost profile {path}: {error}") from error
+        if expected_key is not None and model.key != expected_key:
+            raise ValueError(f"cost profile {path} was measured for {model.key}, "
+                             f"not {expected_key}")
+        return model
+
+    @classmethod
+    def from_gpu_check(cls, path: str | Path, context: int) -> CostModel:
+        """The verification cost curves that ``scripts/gpu_check.sh`` measured (its JSON
+        report), at one context length."""
+        report = json.loads(Path(path).read_text())
+        section = report["sections"]["verification_cost"]
+        curves: dict[int, tuple[list[float], list[float]]] = {}
+        for row in sorted(section["rows"], key=lambda r: (r["batch"], r["total_tokens"])):
+            if row["context"] == context:
+                tokens, ms = curves.setdefault(row["batch"], ([], []))
+                tokens.append(float(row["total_tokens"]))
+                ms.append(float(row["forward_ms"]))
+        if not curves:
+            raise ValueError(f"{path} has no verification cost rows at context {context}")
+        env = report.get("environment", {})
+        return cls(curves=curves, key={"model": section.get("model", ""),
+                                       "device": env.get("device_name", ""),
+                                       "dtype": section.get("dtype", ""),
+                                       "layout": f"context {context}"})
+
+
+# ---- acceptance -------------------------------------------------------------------------
+@dataclass
+class AcceptanceModel:
+    """P(node accepted | parent accepted) per (source, depth, score bucket), as Beta counts.
+
+    ``score`` is what is known of a node when the tree is built, in [0, 1]: the drafter's
+    probability for drafted nodes, ``1 / (1 + rank)`` for retrieved ones. Buckets split
+    it evenly. ``prior_accepts`` / ``prior_trials`` seed every bucket (for example from
+    the acceptance rates a calibration run measured), so a cold model is not blind.
+    """
+
+    max_depth: int = 10
+    score_buckets: int = 4
+    prior_accepts: float = 1.0
+    prior_trials: float = 4.0
+    accepts: torch.Tensor = field(init=False)
+    trials: torch.Tensor = field(init=False)
+
+    def __post_init__(self):
+        shape = (len(SOURCE_NAMES), self.max_depth, self.score_buckets)
+        self.accepts = torch.full(shape, self.prior_accepts, dtype=torch.float64)
+        self.trials = torch.full(shape, self.prior_trials, dtype=torch.float64)
+
+    def _bucket(self, source: torch.Tensor, depth: torch.Tensor, score: torch.Tensor):
+        """source: 1 drafted, 2 retrieved, 3 both (the hybrid tree's tags)."""
+        s = (source.long().clamp(1, 3) - 1).cpu()
+        d = (depth.long().clamp(1, self.max_depth) - 1).cpu()
+        b = (score.double().clamp(0, 1) * self.score_buckets).long().clamp(
+            max=self.score_buckets - 1).cpu()
+        return s, d, b
+
+    def conditional(self, source, depth, score) -> torch.Tensor:
+        """P(accepted | parent accepted) for nodes of any shape (float64, on ``score``'s
+        device)."""
+        s, d, b = self._bucket(source, depth, score)
+        return (self.accepts[s, d, b] / self.trials[s, d, b]).to(score.device)
+
+    def observe(self, source, depth, score, parent_accepted, accepted) -> None:
+        """Learn from one verified batch: every node whose parent was on the accepted
+        path is a trial; it succeeds when the node is on the path too."""
+        trial = parent_accepted.bool().cpu()
+        s, d, b = self._bucket(source, depth, score)
+        s, d, b = s[trial], d[trial], b[trial]
+        ones = torch.ones(s.shape, dtype=torch.float64)
+        self.trials.index_put_((s, d, b), ones, accumulate=True)
+        self.accepts.index_put_((s, d, b), accepted.bool().cpu()[trial].double(),
+                                accumulate=True)
+
+
+def path_probability(parents: torch.Tensor, depths: torch.Tensor, valid: torch.Tensor,
+                     conditional: torch.Tensor) -> torch.Tensor:
+    """``[B, N]`` probability that each node lies on the accepted path: the product of
+    the conditional acceptance probabilities along its ancestors (root, row 0: 1;
+    invalid rows: 0). Nodes come parents first."""
+    prob = torch.zeros_like(conditional, dtype=torch.float64)
+    prob[:, 0] = 1.0
+    top = int(depths.max()) if depths.numel() else 0
+    for depth in range(1, top + 1):
+        level = valid & (depths == depth)
+        parent_prob = prob.gather(1, parents.clamp(min=0))
+        prob = torch.where(level, parent_prob * conditional.double(), prob)
+    return torch.where(valid, prob, torch.zeros_like(prob))
+
+
+# ---- choice -----------------------------------------------------------------------------
+@dataclass
+class Choice:
+    keep: torch.Tensor  # [B, N] bool: nodes to verify (row 0, the root, always kept)
+    nodes_per_request: torch.Tensor  # [B]
+    expected_tokens: float  # emitted tokens per step predicted for the choice
+    step_ms: float  # predicted step time
+
+
+def choose_nodes(path_prob: torch.Tensor, valid: torch.Tensor, cost: CostModel,
+                 max_nodes: int | None = None) -> Choice:
+    """The nodes whose verification maximises expected emitted tokens per millisecond
+    for the whole batch (module doc). ``path_prob``/``valid``: ``[B, N]``, row 0 the root;
+    ``max_nodes`` caps the total."""
+    batch, rows = path_prob.shape
+    device = path_prob.device
+    candidate = valid.clone()
+    candidate[:, 0] = False
+    score = torch.where(candidate, path_prob.double(), torch.full_like(path_prob, -1.0,
+                                                                      dtype=torch.float64))
+    flat = score.reshape(-1)
+    # stable descending sort: among equal probabilities, parents (earlier rows) first
+    order = torch.sort(-flat, stable=True).indices
+    available = int(candidate.sum())
+    if max_nodes is not None:
+        available = min(available, max_nodes)
+    gains = torch.cat([torch.zeros(1, dtype=torch.float64, device=device),
+                       flat[order[:available]].cumsum(0)])
+    counts = torch.arange(available + 1, device=device)
+    expected = batch + gains
+    time = cost.step_ms(batch, counts)
+    best = int(torch.argmax(expected / time))
+    keep = torch.zeros(batch * rows, dtype=torch.bool, device=device)
+    keep[order[:best]] = True
+    keep = keep.view(batch, rows)
+    keep[:, 0] = True
+    return Choice(keep=keep, nodes_per_request=keep[:, 1:].sum(1),
+                  expected_tokens=float(expected[best]), step_ms=float(time[best]))
