@@ -76,7 +76,7 @@ setup(
     description="Speculative-decoding extension for vLLM",
     packages=find_packages(include=["vllm_graft*"]),
     python_requires=">=3.10",
-    install_requires=["pydantic>=2", "tqdm"],
+    install_requires=["pydantic>=2", "tqdm", "rich>=13"],
     ext_modules=[compiled_ops_extension()],
     cmdclass={"build_ext": BuildExtension},
     entry_points={

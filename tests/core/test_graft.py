@@ -98,4 +98,5 @@ def test_retrieval_learns_the_target_while_decoding():
         token = emitted[-1]
     assert emitted == [t % VOCAB for t in range(len(emitted))]  # greedy output is the target's
     assert accepted[0] == 0 and accepted[-1] >= chain >= 6
-    assert accepted_by_source(tree, result) == {"draft": 0, "retrieved": accepted[-1], "both": 0}
+    assert accepted_by_source(tree, result) == {"draft": 0, "retrieved": accepted[-1], "both": 0,
+                                                "padding": 0}

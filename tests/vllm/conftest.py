@@ -67,14 +67,44 @@ def mean_accepted(metrics: dict) -> float:
     return 1 + metrics.get("spec_decode_num_accepted_tokens", 0) / drafts if drafts else 1.0
 
 
+def greedy_token_ids(llm, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                   ignore_eos=True), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def assert_greedy_identical(llm, prompts: list[str], expected: list[list[int]],
+                            max_tokens: int) -> None:
+    """Greedy outputs of ``llm`` equal plain decoding's, prompt by prompt."""
+    got = greedy_token_ids(llm, prompts, max_tokens)
+    for prompt, plain, actual in zip(prompts, expected, got):
+        assert actual == plain, f"prompt {prompt!r} diverged"
+
+
+def biased_walk(tree, sample_level):
+    """A tree walk that sometimes accepts the first child without the target agreeing
+    (drafts over-represented, the bias vLLM 0.32's chain sampler shows on CPU): the
+    negative control every sampling-distribution test must catch."""
+    import torch
+
+    from vllm_graft.core.acceptance import walk_tree
+
+    def biased(level, rows, current):
+        tokens = sample_level(level, rows, current)
+        children = (tree.parents[rows] == current[:, None]) & tree.valid[rows]
+        first = torch.where(children.any(1), tree.tokens[rows].gather(
+            1, children.to(torch.uint8).argmax(1, keepdim=True)).squeeze(1), tokens)
+        cheat = torch.rand(rows.shape) < 0.15
+        return torch.where(cheat, first, tokens)
+    return walk_tree(tree, biased)
+
+
 @pytest.fixture(scope="session")
 def plain_outputs(tiny_models):
     """Greedy plain-decoding outputs of the tiny target for the shared prompts."""
-    from vllm import SamplingParams
-
     from tests.vllm.test_greedy_lossless import MAX_TOKENS, PROMPTS
 
     with running_llm(tiny_models.target) as llm:
-        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
-                                                       ignore_eos=True), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs]
+        return greedy_token_ids(llm, PROMPTS, MAX_TOKENS)

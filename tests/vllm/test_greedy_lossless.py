@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm.conftest import graft_spec, mean_accepted, running_llm, spec_metrics
+from tests.vllm.conftest import (assert_greedy_identical, graft_spec,
+                                  mean_accepted, running_llm, spec_metrics)
 
 PROMPTS = [
     "def fibonacci(n):\n    \"\"\"Return the nth Fibonacci number.\"\"\"\n",
@@ -67,19 +68,13 @@ CASES = [
                               for v, b, t, s in CASES])
 def test_greedy_output_is_identical(tiny_models, plain_outputs, variant, budget, thresholds,
                                     max_num_seqs):
-    from vllm import SamplingParams
-
     graft = {"variant": variant, "budget": budget}
     if thresholds is not None:
         graft["thresholds"] = thresholds
     with running_llm(tiny_models.target, graft_spec(tiny_models.head, **graft),
                      max_num_seqs=max_num_seqs) as llm:
-        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
-                                                       ignore_eos=True), use_tqdm=False)
+        assert_greedy_identical(llm, PROMPTS, plain_outputs, MAX_TOKENS)
         metrics = spec_metrics(llm)
-    got = [list(o.outputs[0].token_ids) for o in outputs]
-    for prompt, expected, actual in zip(PROMPTS, plain_outputs, got):
-        assert actual == expected, f"prompt {prompt!r} diverged"
 
     # trees were verified, every step within budget, and some tokens came from them
     assert metrics["graft_verified_trees"] > 0

@@ -19,7 +19,7 @@ import collections
 import pytest
 import torch
 
-from tests.vllm.conftest import graft_spec, running_llm, spec_metrics
+from tests.vllm.conftest import biased_walk, graft_spec, running_llm, spec_metrics
 
 SAMPLES = 2500
 MAX_TOKENS = 4
@@ -95,17 +95,6 @@ def test_a_biased_acceptance_fails_the_same_test(tiny_models, plain_samples, mon
     target agreeing (drafts over-represented, the bias vLLM 0.32's chain sampler shows on
     CPU) runs through the real engine and must fail the same test."""
     import vllm_graft.vllm.runner as runner_module
-    from vllm_graft.core.acceptance import walk_tree
-
-    def biased_walk(tree, sample_level):
-        def biased(level, rows, current):
-            tokens = sample_level(level, rows, current)
-            children = (tree.parents[rows] == current[:, None]) & tree.valid[rows]
-            first = torch.where(children.any(1), tree.tokens[rows].gather(
-                1, children.to(torch.uint8).argmax(1, keepdim=True)).squeeze(1), tokens)
-            cheat = torch.rand(rows.shape) < 0.15
-            return torch.where(cheat, first, tokens)
-        return walk_tree(tree, biased)
 
     monkeypatch.setattr(runner_module, "walk_tree", biased_walk)
     name = "t2.0-topk20"

@@ -1,7 +1,8 @@
-"""``vllm-graft serve`` with ``--speculative-config graft.json`` on 127.0.0.1: one
-OpenAI chat request answered, Graft's counters on ``/metrics`` (engine core and API
-server in separate processes, so the counters crossed the process boundary), and the
-server stopped by its PID."""
+"""``vllm-graft serve`` with ``--speculative-config graft.json`` on 127.0.0.1: an
+OpenAI chat and a completion request answered, Graft's counters on ``/metrics`` (engine
+core and API server in separate processes, so the counters crossed the process
+boundary), every metric the Grafana dashboard queries among them, and the server
+stopped by its PID."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from tests.cli.test_dashboard import dashboard_metric_names
 from tests.vllm.conftest import graft_spec
 
 
@@ -66,6 +68,10 @@ def test_serve_answers_and_exports_graft_metrics(tiny_models, tmp_path):
             "messages": [{"role": "user", "content": "def fib(n):"}]})
         assert reply["choices"][0]["message"]["content"]
         assert reply["usage"]["completion_tokens"] > 0
+        reply = _post(f"{base}/v1/completions", {
+            "model": str(tiny_models.target), "max_tokens": 32, "temperature": 0,
+            "prompt": "for i in range(10):\n"})
+        assert reply["choices"][0]["text"]
 
         _, metrics = _get(f"{base}/metrics")
         values = {m.group(1): float(m.group(2)) for m in re.finditer(
@@ -74,6 +80,9 @@ def test_serve_answers_and_exports_graft_metrics(tiny_models, tmp_path):
         assert values["graft_verified_trees"] > 0
         assert values["spec_decode_num_drafts"] > 0
         assert "vllm:graft_stage_0_total" in metrics
+        exported = set(re.findall(r"^(vllm:\w+)\{", metrics, re.M))
+        missing = dashboard_metric_names() - exported
+        assert not missing, f"the dashboard queries metrics /metrics lacks: {sorted(missing)}"
     finally:
         os.kill(server.pid, signal.SIGTERM)
         try:

@@ -1,20 +1,32 @@
-"""``vllm-graft generate``: offline generation with Graft, printing acceptance statistics.
+"""``vllm-graft generate``: offline generation with Graft, showing the answers and
+acceptance statistics.
 
     vllm-graft generate MODEL --speculative-config graft.json --prompts prompts.txt
+    vllm-graft generate MODEL --speculative-config graft.json --show-sources --compare
+    vllm-graft generate MODEL --speculative-config graft.json --json > report.json
 
 Prompts come one per line from ``--prompts`` (or a few built-in ones). With ``--chat``
 each prompt is a user message rendered with the model's chat template (what an
 instruction-tuned model and its EAGLE-3 head were trained on). With ``--compare`` the
 same prompts are also generated without speculation, in the same process, and the run
 reports whether greedy outputs are token-identical and the speed ratio.
+``--show-sources`` colours each answer token by its source (drafted, retrieved, both,
+or produced by the target); ``--json`` prints the report, per-token sources included,
+for scripts. Engine logs go to a file unless ``--verbose``.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
+import os
 import time
+from collections import Counter
+from pathlib import Path
+
+from vllm_graft.cli.common import counters, engine
+from vllm_graft.cli.sources import LABELS, label_output, records_by_request, text_pieces
+from vllm_graft.cli.view import comparison_table, engine_logs_to, log_tail, show_answer
 
 DEFAULT_PROMPTS = [
     "def fibonacci(n):\n    \"\"\"Return the nth Fibonacci number.\"\"\"\n",
@@ -42,8 +54,19 @@ def parse_args(argv):
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="generate max-tokens tokens even past the end of an answer "
+                        "(default: yes, so runs compare equal lengths)")
     p.add_argument("--compare", action="store_true", help="also run without speculation")
-    p.add_argument("--json", help="write the statistics to this file")
+    p.add_argument("--show-sources", action="store_true",
+                   help="colour every answer token by where it came from")
+    p.add_argument("--json", nargs="?", const="-", metavar="FILE",
+                   help="the report as JSON (per-token text pieces and sources included), "
+                        "on stdout instead of the view, or written to FILE")
+    p.add_argument("--verbose", action="store_true",
+                   help="show engine logs instead of writing them to --log-file")
+    p.add_argument("--log-file", type=Path, default=None,
+                   help="where engine logs go (default: $VLLM_GRAFT_CACHE/logs/generate.log)")
     return p.parse_args(argv)
 
 
@@ -54,30 +77,38 @@ def load_prompts(path: str | None, chat: bool = False) -> list[str]:
         return [line.rstrip("\n").encode().decode("unicode_escape") for line in f if line.strip()]
 
 
-def run(model, spec, prompts, args) -> dict:
-    from vllm import LLM, SamplingParams
+def run(model, spec, prompts, args, record: bool = False) -> dict:
+    """Generate once; with ``record``, also the verified trees (for token sources)."""
+    from vllm import SamplingParams
 
-    llm = LLM(model=model, dtype=args.dtype, max_model_len=args.max_model_len, seed=0,
-              speculative_config=spec, disable_log_stats=False, enforce_eager=True)
+    from vllm_graft.vllm.rpc import start_tree_recording, take_tree_records
+
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
-                            ignore_eos=True)
-    start = time.perf_counter()
-    if args.chat:
-        conversations = [[{"role": "user", "content": p}] for p in prompts]
-        outputs = llm.chat(conversations, params, use_tqdm=False)
-    else:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+                            ignore_eos=args.ignore_eos)
+    with engine(model, spec, dtype=args.dtype, max_model_len=args.max_model_len,
+                max_num_seqs=256) as llm:
+        if record:
+            llm.collective_rpc(start_tree_recording)
+        start = time.perf_counter()
+        if args.chat:
+            conversations = [[{"role": "user", "content": p}] for p in prompts]
+            outputs = llm.chat(conversations, params, use_tqdm=False)
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        records = llm.collective_rpc(take_tree_records)[0] if record else []
+        tokenizer = llm.get_tokenizer()
+        metrics = counters(llm)
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    metrics = {}
-    for m in llm.get_metrics():
-        if m.name.startswith(("vllm:spec_decode", "vllm:graft")):
-            metrics[m.name.removeprefix("vllm:")] = getattr(m, "values", getattr(m, "value", None))
-    del llm
-    gc.collect()
-    generated = sum(len(t) for t in tokens)
-    return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": generated / elapsed,
-            "metrics": metrics}
+    result = {"tokens": tokens, "seconds": elapsed, "metrics": metrics,
+              "tokens_per_s": sum(len(t) for t in tokens) / elapsed,
+              "pieces": [text_pieces(tokenizer, t) for t in tokens]}
+    if record:
+        by_request = records_by_request(records)
+        result["sources"] = [
+            label_output(by_request.get(o.request_id, []), len(o.prompt_token_ids), t).sources
+            for o, t in zip(outputs, tokens)]
+    return result
 
 
 def summary(result: dict) -> dict:
@@ -105,25 +136,79 @@ def summary(result: dict) -> dict:
     return out
 
 
+def default_log_file() -> Path:
+    from vllm_graft.assets.pypi import default_cache_dir
+
+    return default_cache_dir() / "logs" / "generate.log"
+
+
+def build_report(prompts, graft: dict, plain: dict | None, args) -> dict:
+    """Statistics (the keys scripts already read) plus, per prompt, the tokens, their
+    text pieces and, when recorded, their sources."""
+    report = {"prompts": len(prompts), "max_tokens": args.max_tokens,
+              "graft": summary(graft)}
+    if plain is not None:
+        report["plain"] = summary(plain)
+        report["speedup"] = round(graft["tokens_per_s"] / plain["tokens_per_s"], 3)
+        if args.temperature == 0:
+            report["greedy_identical"] = graft["tokens"] == plain["tokens"]
+    sources = graft.get("sources") or [None] * len(prompts)
+    report["outputs"] = [
+        {"prompt": prompt, "tokens": tokens, "pieces": pieces,
+         **({"sources": labels} if labels is not None else {})}
+        for prompt, tokens, pieces, labels in zip(prompts, graft["tokens"], graft["pieces"],
+                                                  sources)]
+    if graft.get("sources"):
+        counts = Counter(label for labels in graft["sources"] for label in labels)
+        report["graft"]["tokens_by_source"] = {k: counts[k] for k in LABELS}
+    return report
+
+
+def generate_both(args, spec, prompts, status) -> tuple[dict, dict | None]:
+    """The Graft run, then (with --compare) plain decoding, a spinner line each."""
+    record = args.show_sources or args.json is not None
+    with status("Starting the Graft engine and generating..."):
+        graft = run(args.model, spec, prompts, args, record=record)
+    plain = None
+    if args.compare:
+        with status("Starting the plain engine and generating..."):
+            plain = run(args.model, None, prompts, args)
+    return graft, plain
+
+
+def show_view(console, report: dict) -> None:
+    for output in report["outputs"]:
+        show_answer(console, output["prompt"], output["pieces"], output.get("sources"))
+    console.print(comparison_table(report))
+
+
 def main(argv=None) -> int:
     from vllm_graft.cli.main import cpu_runtime_defaults
     from vllm_graft.vllm.config import load_speculative_config_arg
 
     args = parse_args(argv)
     cpu_runtime_defaults()
+    # In-process engines: tree recording runs functions in the worker (a separate
+    # engine process would need pickled functions), and they start several times faster.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     spec = load_speculative_config_arg(args.speculative_config)
     prompts = load_prompts(args.prompts, args.chat)
-    report = {"prompts": len(prompts), "max_tokens": args.max_tokens}
-    graft = run(args.model, spec, prompts, args)
-    report["graft"] = summary(graft)
-    if args.compare:
-        plain = run(args.model, None, prompts, args)
-        report["plain"] = summary(plain)
-        report["speedup"] = round(graft["tokens_per_s"] / plain["tokens_per_s"], 3)
-        if args.temperature == 0:
-            report["greedy_identical"] = graft["tokens"] == plain["tokens"]
-    print(json.dumps(report, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    log_file = None if args.verbose else (args.log_file or default_log_file())
+    with engine_logs_to(log_file) as (console, terminal):
+        try:
+            graft, plain = generate_both(args, spec, prompts, terminal.status)
+        except BaseException:
+            if log_file is not None:
+                terminal.print(log_tail(log_file), markup=False, highlight=False)
+                terminal.print(f"generation failed; engine logs: {log_file}")
+            raise
+        report = build_report(prompts, graft, plain, args)
+        if args.json == "-":
+            console.file.write(json.dumps(report, indent=2) + "\n")
+        else:
+            show_view(console, report)
+            if log_file is not None:
+                terminal.print(f"engine logs: {log_file}", style="dim")
+        if args.json not in (None, "-"):
+            Path(args.json).write_text(json.dumps(report, indent=2))
     return 0 if report.get("greedy_identical", True) else 1

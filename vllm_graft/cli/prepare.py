@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rich.console import Console
+
 from vllm_graft.assets.models import MODELS, prepare_model
 from vllm_graft.assets.pypi import default_cache_dir
 
@@ -22,7 +24,9 @@ def main(argv=None) -> int:
     parser.add_argument("--keep-gguf", action="store_true")
     args = parser.parse_args(argv)
     cache = args.cache_dir or default_cache_dir()
+    progress = Console(stderr=True)  # a spinner on a terminal; stdout stays parseable
     for name in args.models:
-        path = prepare_model(name, cache, keep_gguf=args.keep_gguf)
+        with progress.status(f"Preparing {name} (download, check, convert; cached after)"):
+            path = prepare_model(name, cache, keep_gguf=args.keep_gguf)
         print(f"{name}: {path}")
     return 0

@@ -39,6 +39,42 @@ class Variant(str, Enum):
         return self in (Variant.GRAFT, Variant.RETRIEVAL_ONLY)
 
 
+class TreeShape(str, Enum):
+    """How many verification slots a request's tree uses (``graft.tree_shape``).
+
+    ``dynamic``: a tree holds up to ``budget`` nodes; retrieval misses, merges and
+    ``prune_only`` leave slots empty, so requests differ in how many draft tokens they
+    schedule. ``fixed``: every tree holds exactly ``budget`` nodes (see
+    :class:`vllm_graft.core.graft.GraftTreeBuilder`), so every request schedules the
+    same number of draft tokens and verification (and the drafting that produced the
+    tree) has one shape per batch size, as CUDA graphs need. ``auto``: ``fixed`` when
+    the engine runs CUDA graphs, ``dynamic`` otherwise (eager mode, CPU); the engine
+    adapter decides that with :func:`resolve_tree_shape`.
+    """
+
+    AUTO = "auto"
+    FIXED = "fixed"
+    DYNAMIC = "dynamic"
+
+
+def resolve_tree_shape(setting: TreeShape | str, cuda_graphs_enabled: bool) -> TreeShape:
+    """The shape in force: ``FIXED`` or ``DYNAMIC``, never ``AUTO``.
+
+    ``setting``: ``GraftConfig.tree_shape`` (or its string); ``cuda_graphs_enabled``:
+    whether the engine captures CUDA graphs (not eager mode). The core itself knows
+    nothing about CUDA graphs: the adapter passes that fact in.
+    """
+    try:
+        setting = TreeShape(setting)
+    except ValueError:
+        raise GraftConfigError(
+            f"graft.tree_shape: must be one of 'auto', 'fixed', 'dynamic', got {setting!r}"
+        ) from None
+    if setting is TreeShape.AUTO:
+        return TreeShape.FIXED if cuda_graphs_enabled else TreeShape.DYNAMIC
+    return setting
+
+
 PAPER_BUDGET = 60
 PAPER_CHECKPOINTS = (0, 1, 5)
 PAPER_DRAFT_KEEP = (8, 24, 40)
@@ -72,6 +108,15 @@ class GraftConfig(BaseModel):
     which is verified anyway), so one verification step processes ``budget + 1``
     rows per request. Checkpoint ``d`` is the ``d``-th draft step (0 = the root's
     children, at tree depth ``d + 1``).
+
+    ``tree_shape`` (``"auto"`` | ``"fixed"`` | ``"dynamic"``, default ``"auto"``): with
+    ``fixed`` every request's tree has exactly ``budget`` nodes besides the root
+    (further retrieved nodes, spare drafted candidates, then harmless padding fill what
+    misses and merges leave empty; low-confidence drafted nodes of unpruned trees make
+    room for retrieved ones), so every request schedules the same number of draft tokens
+    and the shapes suit CUDA graphs. ``dynamic`` is the plain Graft tree (at most
+    ``budget`` nodes). ``auto`` means ``fixed`` when the engine runs CUDA graphs and
+    ``dynamic`` in eager mode; see :class:`TreeShape` and :func:`resolve_tree_shape`.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -95,6 +140,9 @@ class GraftConfig(BaseModel):
     )
     rank_prior: tuple[float, ...] = DEFAULT_RANK_PRIOR
     ops_backend: str = Field("compiled", pattern="^(compiled|reference)$")
+    tree_shape: TreeShape = Field(
+        TreeShape.AUTO, description="fixed: exactly budget nodes per tree; dynamic: up to "
+        "budget; auto: fixed under CUDA graphs, dynamic in eager mode")
 
     @model_validator(mode="before")
     @classmethod

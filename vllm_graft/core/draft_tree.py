@@ -79,6 +79,11 @@ class DraftTree:
     confidence: [B, max_depth] ``exp(best path score)`` after each draft step, NaN for
             steps a request did not take (what the pruning gate compares, recorded for
             calibration)
+    candidate_tokens / candidate_parents / candidate_depths: [B, capacity] the same
+            ranking before the stage's ``keep`` cut: the best ``capacity`` drafted
+            candidates whatever the stage (-1 / -1 / 0 where none). The kept nodes are
+            its first ``valid.sum(1)`` entries; fixed-shape trees use the rest as
+            spare candidates.
     """
 
     tokens: torch.Tensor
@@ -89,6 +94,9 @@ class DraftTree:
     stage: torch.Tensor
     steps: torch.Tensor
     confidence: torch.Tensor
+    candidate_tokens: torch.Tensor | None = None
+    candidate_parents: torch.Tensor | None = None
+    candidate_depths: torch.Tensor | None = None
 
 
 class DraftTreeBuilder:
@@ -174,23 +182,30 @@ class DraftTreeBuilder:
         order = torch.sort(pool.scores, dim=1, descending=True, stable=True).indices[:, :cap]
         scores = pool.scores.gather(1, order)
         keep = self.keep_by_stage[stage]
-        valid = (torch.arange(cap, device=self.device)[None, :] < keep[:, None]) \
-            & torch.isfinite(scores)
-        # position of each pool slot in the selection (-1 = not selected)
+        # The ranking is prefix-closed (a parent's score is >= its child's and ties go
+        # to the lower pool slot), so both the first ``cap`` finite candidates and the
+        # first ``keep`` of them contain the parents of their members.
+        candidate = torch.isfinite(scores)
+        valid = (torch.arange(cap, device=self.device)[None, :] < keep[:, None]) & candidate
+        # position of each pool slot in the ranking (-1 = not ranked)
         position = torch.full_like(pool.parents, -1)
         position.scatter_(1, order, torch.where(
-            valid, torch.arange(cap, device=self.device).expand(batch, -1), -1))
+            candidate, torch.arange(cap, device=self.device).expand(batch, -1), -1))
         parent_slots = pool.parents.gather(1, order)
         parents = torch.where(parent_slots >= 0,
                               position.gather(1, parent_slots.clamp(min=0)), -1)
-        tokens = torch.where(valid, pool.tokens.gather(1, order), -1)
+        ranked_tokens = pool.tokens.gather(1, order)
+        ranked_depths = pool.depths.gather(1, order)
         return DraftTree(
-            tokens=tokens,
+            tokens=torch.where(valid, ranked_tokens, -1),
             parents=torch.where(valid, parents, -1),
-            depths=torch.where(valid, pool.depths.gather(1, order), 0),
+            depths=torch.where(valid, ranked_depths, 0),
             scores=torch.where(valid, scores, float("-inf")),
             valid=valid,
             stage=stage,
             steps=steps,
             confidence=confidence,
+            candidate_tokens=torch.where(candidate, ranked_tokens, -1),
+            candidate_parents=torch.where(candidate, parents, -1),
+            candidate_depths=torch.where(candidate, ranked_depths, 0),
         )

@@ -1,23 +1,61 @@
 """One Graft step for a batch: draft (with pruning), retrieve, merge; then learn.
 
 :class:`GraftTreeBuilder` is the whole algorithm minus the models: the caller brings a
-drafter callback and the target's logits at every tree row, and gets back a fixed-shape
-tree to verify and, after verification, an updated successor matrix. The variant
-switches parts off for the ablations (``dense_tree``, ``prune_only``,
-``retrieval_only``).
+drafter callback and the target's logits at every tree row, and gets back a tree per
+request (tensors padded to ``budget + 1`` rows) to verify and, after verification, an
+updated successor matrix. The variant switches parts off for the ablations
+(``dense_tree``, ``prune_only``, ``retrieval_only``).
+
+Tree shapes (``GraftConfig.tree_shape``, resolved by
+:func:`vllm_graft.core.config.resolve_tree_shape`):
+
+* **dynamic**: the paper's tree: the drafted nodes kept at the stage where drafting
+  stopped, then ``budget - draft_keep + retrieval_slack`` retrieved candidates; the
+  first ``budget`` distinct nodes are kept, so retrieval misses and merges (and
+  ``prune_only``) leave slots empty and requests verify different numbers of rows.
+* **fixed** (the SGLang batch variant of the paper): every request's tree has exactly
+  ``budget`` nodes besides the root, so every request schedules the same number of
+  draft tokens. Candidates, in priority order (the trie merge keeps the first
+  ``budget`` distinct ones):
+
+  1. the drafted nodes kept at the request's stage. For a request that drafted to full
+     depth (no checkpoint stopped it), drafted nodes whose path confidence
+     ``exp(score)`` is below the last calibrated threshold ``tau_last`` are *replaced*
+     by retrieved ones, but the best ``draft_keep[-1]`` drafted nodes always stay: an
+     unpruned tree then has the layout of the last prune point (e.g. 40 drafted + 20
+     retrieved of 60) unless the drafter is confident about more nodes. Scores never
+     increase along a path, so the replacement removes whole subtrees and the kept
+     drafted set stays prefix-closed. Only the ``graft`` variant replaces (the others
+     have no retrieval, or no calibrated gate); thresholds of 0 replace nothing.
+  2. the whole retrieval template (``budget + retrieval_slack`` nodes) for every
+     request, in template order: the nodes the dynamic tree would use come first, the
+     rest refill what misses and merges freed;
+  3. the drafter's spare candidates (``graft`` only): the best ``budget`` drafted
+     candidates regardless of the stage's keep (those already in the tree merge into
+     themselves), i.e. nodes the drafter proposed before it stopped, or the
+     low-confidence nodes of step 1. ``prune_only`` does not use them, so its freed
+     slots hold padding and the ablation keeps its meaning;
+  4. padding (:func:`vllm_graft.core.hybrid.pad_to_budget`): distinct tokens under the
+     last leaf, tagged ``SOURCE_PAD``, harmless for lossless acceptance and not learnt
+     from.
+
+  All of it is batched tensor work (the only loops run over tree depth), deterministic
+  and device-agnostic. Where retrieval and drafting fill the budget, the fixed tree of
+  a pruned request is the dynamic one.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from vllm_graft.core.acceptance import AcceptanceResult
-from vllm_graft.core.config import GraftConfig, Variant
+from vllm_graft.core.config import GraftConfig, TreeShape, Variant, resolve_tree_shape
 from vllm_graft.core.draft_tree import DraftTree, DraftTreeBuilder, Drafter
-from vllm_graft.core.hybrid import (SOURCE_DRAFT, SOURCE_RETRIEVED, HybridTree,
-                                    merge_and_flatten)
+from vllm_graft.core.hybrid import (SOURCE_DRAFT, SOURCE_PAD, SOURCE_RETRIEVED, HybridTree,
+                                    merge_and_flatten, pad_to_budget)
 from vllm_graft.core.successor import SuccessorMatrix
 from vllm_graft.core.templates import RetrievalTemplate, TemplateExpander
 
@@ -33,6 +71,9 @@ class BuildStats:
            how many found a successor (the matrix hit rate)
     confidence: [B, max_depth] best-path confidence after each draft step (NaN = not
            reached; all NaN without a drafter)
+    padded_nodes: [B] padding nodes of a fixed-shape tree (0 for dynamic trees)
+    replaced_nodes: [B] drafted nodes a fixed-shape tree moved behind retrieval for low
+           confidence (some come back as spare candidates if retrieval falls short)
     """
 
     stage: torch.Tensor
@@ -43,17 +84,40 @@ class BuildStats:
     retrieval_lookups: torch.Tensor
     retrieval_hits: torch.Tensor
     confidence: torch.Tensor
+    padded_nodes: torch.Tensor
+    replaced_nodes: torch.Tensor
 
 
 class GraftTreeBuilder:
+    """Builds one hybrid tree per request (see the module docstring).
+
+    tree_shape: the *resolved* shape, ``resolve_tree_shape(config.tree_shape,
+    cuda_graphs_enabled)``; ``None`` resolves ``config.tree_shape`` as if CUDA graphs
+    were off (``auto`` -> dynamic). ``fixed_shape`` says which one is in force.
+    """
+
     def __init__(self, config: GraftConfig, matrix: SuccessorMatrix,
                  thresholds: tuple[float, ...] | None = None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu",
+                 tree_shape: TreeShape | str | None = None):
         self.config = config
         self.matrix = matrix
         self.device = torch.device(device)
         variant = config.variant
         self.thresholds = thresholds if thresholds is not None else config.effective_thresholds()
+        self.tree_shape = resolve_tree_shape(
+            config.tree_shape if tree_shape is None else tree_shape, cuda_graphs_enabled=False)
+        self.fixed_shape = self.tree_shape is TreeShape.FIXED
+        if self.fixed_shape and matrix.vocab_size < config.budget:
+            raise ValueError(
+                f"graft.tree_shape 'fixed' needs budget ({config.budget}) <= vocabulary size "
+                f"({matrix.vocab_size}) to pad trees with distinct tokens")
+        # Fixed shape, unpruned trees: drafted nodes below the last threshold make room
+        # for retrieved ones, down to the last prune point's draft_keep.
+        self.replace_below = None
+        if self.fixed_shape and variant is Variant.GRAFT and config.checkpoints:
+            self.replace_below = float(self.thresholds[-1])
+            self.replace_keep = int(config.draft_keep[-1])
         self.drafter_tree = None
         if variant.drafts:
             pruning = variant.prunes
@@ -69,6 +133,8 @@ class GraftTreeBuilder:
         if variant.retrieves:
             if variant is Variant.RETRIEVAL_ONLY:
                 per_stage = [config.budget]
+            elif self.fixed_shape:  # every request may use the whole template
+                per_stage = [config.budget] * (len(config.draft_keep) + 1)
             else:
                 per_stage = [config.budget - keep for keep in config.draft_keep] + [0]
             self.retrieval_keep = torch.tensor(per_stage, dtype=torch.long,
@@ -94,12 +160,16 @@ class GraftTreeBuilder:
         batch = root_tokens.shape[0]
         root_tokens = root_tokens.to(self.device).long()
         parts = []
+        replaced = torch.zeros(batch, dtype=torch.long, device=self.device)
         if self.drafter_tree is not None:
             if drafter is None:
                 raise ValueError(f"variant {self.config.variant.value!r} needs a drafter")
             draft = self.drafter_tree.build(root_tokens, drafter,
                                             prune=self.config.variant.prunes)
-            parts.append((draft.tokens, draft.parents, draft.depths, SOURCE_DRAFT))
+            kept_tokens, kept_parents = draft.tokens, draft.parents
+            if self.replace_below is not None:
+                kept_tokens, kept_parents, replaced = self._replace_low_confidence(draft)
+            parts.append((kept_tokens, kept_parents, draft.depths, SOURCE_DRAFT))
             steps = draft.steps
             stage = draft.stage if self.config.variant.prunes else torch.full(
                 (batch,), self.full_stage, dtype=torch.long, device=self.device)
@@ -119,13 +189,33 @@ class GraftTreeBuilder:
                           SOURCE_RETRIEVED))
             lookups = keep.clamp(max=self.expander.size)
             hits = (retrieved.tokens >= 0).sum(1)
+        if self.fixed_shape and self.config.variant is Variant.GRAFT:
+            # spare drafted candidates (the kept ones merge into their first copies)
+            parts.append((draft.candidate_tokens, draft.candidate_parents,
+                          draft.candidate_depths, SOURCE_DRAFT))
         tree = merge_and_flatten(root_tokens, parts, self.config.budget)
-        return tree, self._stats(tree, stage, steps, lookups, hits, confidence)
+        if self.fixed_shape:
+            tree = pad_to_budget(tree, self.matrix.vocab_size)
+        return tree, self._stats(tree, stage, steps, lookups, hits, confidence, replaced)
+
+    def _replace_low_confidence(self, draft: DraftTree
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Drop the drafted nodes of unpruned requests whose path confidence is below the
+        last threshold, keeping at least the best ``draft_keep[-1]`` (module docstring).
+        Returns (tokens, parents, number dropped per request)."""
+        capacity = draft.tokens.shape[1]
+        position = torch.arange(capacity, device=self.device)[None, :]
+        unpruned = (draft.stage == self.full_stage)[:, None]
+        low = draft.scores < math.log(self.replace_below) if self.replace_below > 0 \
+            else torch.zeros_like(draft.valid)
+        drop = draft.valid & unpruned & low & (position >= self.replace_keep)
+        return (torch.where(drop, -1, draft.tokens), torch.where(drop, -1, draft.parents),
+                drop.sum(1))
 
     @staticmethod
     def _stats(tree: HybridTree, stage: torch.Tensor, steps: torch.Tensor,
                lookups: torch.Tensor, hits: torch.Tensor,
-               confidence: torch.Tensor) -> BuildStats:
+               confidence: torch.Tensor, replaced: torch.Tensor) -> BuildStats:
         source = tree.source
         valid = tree.valid
         return BuildStats(
@@ -137,17 +227,26 @@ class GraftTreeBuilder:
             draft_nodes=(valid & (source & SOURCE_DRAFT).bool()).sum(1),
             retrieved_nodes=(valid & (source == SOURCE_RETRIEVED)).sum(1),
             both_nodes=(valid & (source == (SOURCE_DRAFT | SOURCE_RETRIEVED))).sum(1),
+            padded_nodes=(valid & (source == SOURCE_PAD)).sum(1),
+            replaced_nodes=replaced,
         )
 
     def observe(self, tree: HybridTree, target_logits: torch.Tensor) -> None:
         """Learn from a verification: every valid row writes the target's top-k at that
-        row into its token's matrix row (accepted and rejected rows alike).
+        row into its token's matrix row (accepted and rejected rows alike); padding rows
+        of fixed-shape trees (``SOURCE_PAD``) are skipped.
 
         target_logits: [B, N+1, V]. Rows are written in flat (request, row) order, so
         when one token occurs at several rows the last one wins, on every device.
         """
-        tokens = torch.where(tree.valid, tree.tokens, -1).reshape(-1)
+        tokens = learnable_tokens(tree).reshape(-1)
         self.matrix.update_from_logits_(tokens, target_logits.reshape(tokens.numel(), -1))
+
+
+def learnable_tokens(tree: HybridTree) -> torch.Tensor:
+    """[B, N+1] the tokens the successor matrix learns from, -1 elsewhere: valid rows
+    that are not padding (``SuccessorMatrix.update_from_logits_`` skips -1)."""
+    return torch.where(tree.valid & (tree.source != SOURCE_PAD), tree.tokens, -1)
 
 
 def accepted_by_source(tree: HybridTree, result: AcceptanceResult) -> dict[str, int]:
@@ -159,7 +258,9 @@ def accepted_by_source(tree: HybridTree, result: AcceptanceResult) -> dict[str, 
         "draft": int((source == SOURCE_DRAFT).sum()),
         "retrieved": int((source == SOURCE_RETRIEVED).sum()),
         "both": int((source == (SOURCE_DRAFT | SOURCE_RETRIEVED)).sum()),
+        "padding": int((source == SOURCE_PAD).sum()),
     }
 
 
-__all__ = ["BuildStats", "DraftTree", "GraftTreeBuilder", "accepted_by_source"]
+__all__ = ["BuildStats", "DraftTree", "GraftTreeBuilder", "accepted_by_source",
+           "learnable_tokens"]

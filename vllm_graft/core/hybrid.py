@@ -14,7 +14,7 @@ so the kept set is prefix-closed and the flattened order is parents-first.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -22,6 +22,9 @@ SOURCE_ROOT = 0
 SOURCE_DRAFT = 1
 SOURCE_RETRIEVED = 2
 SOURCE_BOTH = SOURCE_DRAFT | SOURCE_RETRIEVED
+#: Padding of a fixed-shape tree (:func:`pad_to_budget`): a valid node no drafter or
+#: retrieval proposed; the successor matrix does not learn from it.
+SOURCE_PAD = 4
 
 
 @dataclass
@@ -45,6 +48,10 @@ class HybridTree:
     source: torch.Tensor
     ancestor: torch.Tensor
     num_nodes: torch.Tensor
+
+    def to(self, device: torch.device | str) -> HybridTree:
+        """The same tree with every tensor on ``device``."""
+        return HybridTree(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
     @property
     def max_depth(self) -> int:
@@ -131,6 +138,58 @@ def merge_and_flatten(root_tokens: torch.Tensor,
     )
 
 
+def pad_to_budget(tree: HybridTree, vocab_size: int) -> HybridTree:
+    """Fill every empty row of ``tree`` with a padding node, so each request has exactly
+    ``budget`` nodes besides the root (the fixed-shape trees of
+    :class:`vllm_graft.core.graft.GraftTreeBuilder`, last resort after retrieval and
+    spare drafted candidates).
+
+    Padding nodes are the children of one leaf: the last valid row ``L`` (rows are
+    parents-first, so nothing hangs below the last one; ``L`` is the root when the tree
+    is otherwise empty). Padding row ``i`` (0-based) carries token
+    ``(token[L] + 1 + i) mod vocab_size``.
+
+    Why this is harmless for losslessness: acceptance walks from the root and at each
+    node accepts the child that carries the target's own sample (or, in the explicit
+    multi-draft rule, tries the distinct children in row order with one-hot proposals).
+    Both are exact for *any* set of children, provided siblings carry distinct tokens
+    (with two equal siblings the explicit rule would try one token twice and
+    over-represent it). Padding nodes are the only children of ``L``, and at most
+    ``budget <= vocab_size`` consecutive ids mod ``vocab_size`` are distinct, so every
+    sibling set stays distinct; all tokens are real ids in ``[0, vocab_size)``, so every
+    row is an ordinary verifiable candidate. Hanging all padding under one leaf keeps
+    the tree depth within one level of the unpadded tree (a padding chain could add up
+    to ``budget`` levels, and walk steps and positions with them) and puts padding last
+    in priority: it can only be reached through the lowest-priority node and is never
+    tried before a real candidate. The rows are tagged ``SOURCE_PAD``, so learning can
+    skip them (their context, ``L`` followed by an arbitrary id, teaches nothing useful,
+    and as the last rows of a tree they would otherwise win the last-writer rule).
+
+    Requires ``budget <= vocab_size``; rows already valid are left exactly as they are.
+    """
+    batch, rows = tree.tokens.shape
+    if rows - 1 > vocab_size:
+        raise ValueError(f"cannot pad a tree of {rows - 1} nodes over a vocabulary of "
+                         f"{vocab_size} tokens with distinct siblings")
+    device = tree.tokens.device
+    index = torch.arange(rows, device=device).expand(batch, rows)
+    count = tree.valid.sum(1, keepdim=True)  # valid rows are a prefix: rows 0 .. count-1
+    pad = index >= count
+    leaf = count - 1
+    leaf_token = tree.tokens.gather(1, leaf)
+    leaf_depth = tree.depths.gather(1, leaf)
+    pad_tokens = (leaf_token + 1 + (index - count)) % vocab_size
+    tokens = torch.where(pad, pad_tokens, tree.tokens)
+    parents = torch.where(pad, leaf, tree.parents)
+    depths = torch.where(pad, leaf_depth + 1, tree.depths)
+    source = torch.where(pad, torch.full_like(tree.source, SOURCE_PAD), tree.source)
+    valid = torch.ones_like(tree.valid)
+    return HybridTree(
+        tokens=tokens, parents=parents, depths=depths, valid=valid, source=source,
+        ancestor=ancestor_mask(parents, valid, int(depths.max()) if depths.numel() else 0),
+        num_nodes=torch.full((batch,), rows, dtype=tree.num_nodes.dtype, device=device))
+
+
 def _scatter_rows(values: torch.Tensor, row_of: torch.Tensor, rows: int,
                   fill: int) -> torch.Tensor:
     """out[b, row_of[b, i]] = values[b, i], with one extra scratch row dropped at the end."""
@@ -138,6 +197,18 @@ def _scatter_rows(values: torch.Tensor, row_of: torch.Tensor, rows: int,
                      device=values.device)
     out.scatter_(1, row_of, values)
     return out[:, :rows].contiguous()
+
+
+def ancestor_ids(parents: torch.Tensor, nodes: torch.Tensor, depth: int) -> torch.Tensor:
+    """``[B, W, depth]``: the ids of the strict ancestors of ``nodes`` (``[B, W]`` ids into
+    ``parents`` ``[B, N]``), nearest first, -1 beyond the root. The list form of
+    :func:`ancestor_mask`, for a few nodes of a large pool."""
+    out = []
+    current = nodes
+    for _ in range(depth):
+        current = torch.where(current >= 0, parents.gather(1, current.clamp(min=0)), -1)
+        out.append(current)
+    return torch.stack(out, dim=-1) if out else nodes.new_empty(nodes.shape + (0,))
 
 
 def ancestor_mask(parents: torch.Tensor, valid: torch.Tensor, max_depth: int) -> torch.Tensor:

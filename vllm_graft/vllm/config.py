@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_graft.core.calibration import fingerprint_model, load_calibration
-from vllm_graft.core.config import GraftConfig, GraftConfigError
+from vllm_graft.core.config import GraftConfig, GraftConfigError, TreeShape, resolve_tree_shape
 from vllm_graft.core.successor import read_successor_file
 
 GRAFT_METHOD = "graft"
@@ -144,12 +144,29 @@ def check_files(config: GraftConfig, *, target_model: str | None, drafter_model:
     return calibrated
 
 
+def cuda_graphs_enabled(vllm_config) -> bool:
+    """Whether this engine captures CUDA graphs: not eager mode, a CUDA-graph mode other
+    than NONE, and capture sizes to capture (the CPU platform empties them). Read in the
+    worker, after the platform and ``enforce_eager`` have settled the compilation config."""
+    model_config = getattr(vllm_config, "model_config", None)
+    if model_config is not None and model_config.enforce_eager:
+        return False
+    compilation = getattr(vllm_config, "compilation_config", None)
+    mode = getattr(compilation, "cudagraph_mode", None)
+    if mode is None or getattr(mode, "name", str(mode)) == "NONE":
+        return False
+    return bool(getattr(compilation, "cudagraph_capture_sizes", None))
+
+
 @dataclass(frozen=True)
 class GraftSettings:
-    """What a worker needs: the validated config and the thresholds in force."""
+    """What a worker needs: the validated config, the thresholds in force, and the tree
+    shape in force (``graft.tree_shape`` resolved against this engine's CUDA-graph
+    setting: ``auto`` is ``fixed`` with CUDA graphs, ``dynamic`` in eager mode)."""
 
     config: GraftConfig
     thresholds: tuple[float, ...]
+    tree_shape: TreeShape = TreeShape.DYNAMIC
 
     @classmethod
     def from_vllm_config(cls, vllm_config) -> GraftSettings | None:
@@ -162,4 +179,6 @@ class GraftSettings:
             config, target_model=vllm_config.model_config.model,
             drafter_model=spec.model if spec is not None else None,
             target_vocab_size=vllm_config.model_config.get_vocab_size())
-        return cls(config=config, thresholds=config.effective_thresholds(calibrated))
+        return cls(config=config, thresholds=config.effective_thresholds(calibrated),
+                   tree_shape=resolve_tree_shape(config.tree_shape,
+                                                 cuda_graphs_enabled(vllm_config)))

@@ -37,9 +37,14 @@ GRAFT_COUNTERS = {
     "accepted_draft": "Accepted tokens proposed by the drafter only.",
     "accepted_retrieved": "Accepted tokens proposed by retrieval only.",
     "accepted_both": "Accepted tokens proposed by both.",
+    "accepted_padding": "Accepted padding nodes of fixed-shape trees.",
+    "padded_nodes": "Padding nodes that filled fixed-shape trees up to the budget.",
+    "replaced_nodes": "Low-confidence drafted nodes that fixed-shape trees replaced "
+                      "with retrieved ones.",
     "bookkeeping_us": "Microseconds of Graft's own work outside model forwards.",
     "draft_forward_us": "Microseconds of draft-head forwards (catch-up and tree steps).",
-    "tree_attention_us": "Microseconds recomputing tree rows' attention in the target.",
+    "tree_attention_us": "Microseconds recomputing tree rows' attention in the target "
+                         "(CPU only: on a GPU it is part of the forward).",
     "stage_none": "Trees built without drafting (retrieval_only).",
     "stage_full": "Trees whose drafting was not pruned.",
 }

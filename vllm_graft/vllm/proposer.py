@@ -38,7 +38,7 @@ from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_graft.core.draft_tree import DraftStep
 from vllm_graft.core.graft import BuildStats, GraftTreeBuilder
-from vllm_graft.core.hybrid import HybridTree
+from vllm_graft.core.hybrid import ancestor_ids
 from vllm_graft.core.successor import SuccessorMatrix
 from vllm_graft.vllm.config import GraftSettings
 from vllm_graft.vllm.sampling import plain_decoding_reason
@@ -108,7 +108,8 @@ class GraftTreeDrafting:
         else:
             matrix = SuccessorMatrix.empty(vocab_size, config.successor_k, device=device,
                                            backend=config.ops_backend)
-        self.tree_builder = GraftTreeBuilder(config, matrix, settings.thresholds, device)
+        self.tree_builder = GraftTreeBuilder(config, matrix, settings.thresholds, device,
+                                             tree_shape=settings.tree_shape)
         self.pending: dict[str, PendingTree] = {}
         self.last_build: BuildStats | None = None
         self.max_model_len = vllm_config.model_config.max_model_len
@@ -165,7 +166,7 @@ class GraftTreeDrafting:
                     self._block_table(runner)[batch_rows.to(self.device)]))
         tree, stats = self.tree_builder.build(roots.to(self.device), expander)
         self.last_build = stats
-        tree = _to_cpu(tree)
+        tree = tree.to("cpu")
         stages, confidence = stats.stage.tolist(), stats.confidence.cpu()
         for t, i in enumerate(drafting):
             req_id = req_ids[settled[i].batch_row]
@@ -373,7 +374,7 @@ class _TreeExpansion:
         first_new_row = self.store.num_rows
         plans = []
         # nodes expanded at step s sit at depth s: the ancestor walk needs no device read
-        ancestors = _ancestor_slots(pool.parents[active], slots, step.step)
+        ancestors = ancestor_ids(pool.parents[active], slots, step.step)
         for a, b in enumerate(active.tolist()):  # one device read per draft step
             if self.expanded:
                 ctx_slots = torch.cat([e[b] for e in self.expanded])  # [C]
@@ -410,19 +411,3 @@ class _TreeExpansion:
         values, ids = proposer._top_k(last_hidden)
         k = values.shape[-1]
         return values.view(num_active, width, k), ids.view(num_active, width, k)
-
-
-def _ancestor_slots(parents: torch.Tensor, slots: torch.Tensor, depth: int) -> torch.Tensor:
-    """[A, W, depth]: pool slots of each node's strict ancestors (-1 beyond the root)."""
-    out = []
-    current = slots
-    for _ in range(depth):
-        current = torch.where(current >= 0, parents.gather(1, current.clamp(min=0)), -1)
-        out.append(current)
-    return torch.stack(out, dim=-1) if out else slots.new_empty(slots.shape + (0,))
-
-
-def _to_cpu(tree: HybridTree) -> HybridTree:
-    return HybridTree(**{name: getattr(tree, name).cpu() for name in
-                         ("tokens", "parents", "depths", "valid", "source", "ancestor",
-                          "num_nodes")})

@@ -45,8 +45,14 @@ def take_tree_records(worker) -> list[dict]:
 
 
 def _record(tree, accepted_rows: list[int]) -> None:
+    """One verified tree. ``req_id`` (the engine's internal id: the caller's id plus a
+    suffix) and ``position`` (the root's position in prompt + output) place the
+    accepted tokens in the request's output, so tools can say where each token came
+    from without trusting the order in which steps were recorded."""
     pending = tree.tree
     confidence = pending.confidence.tolist() if pending.confidence is not None else []
-    _RECORDS.append({"depths": pending.depths.tolist(), "source": pending.source.tolist(),
+    _RECORDS.append({"req_id": tree.req_id, "position": tree.prefix_len,
+                     "depths": pending.depths.tolist(), "source": pending.source.tolist(),
                      "stage": pending.stage, "confidence": confidence,
-                     "accepted_rows": accepted_rows})
+                     "accepted_rows": accepted_rows,
+                     "accepted_tokens": pending.tokens[accepted_rows].tolist()})

@@ -29,7 +29,7 @@ from vllm.v1.outputs import SamplerOutput
 
 from vllm_graft.core.acceptance import AcceptanceResult, walk_tree
 from vllm_graft.core.graft import accepted_by_source
-from vllm_graft.core.hybrid import HybridTree, ancestor_mask
+from vllm_graft.core.hybrid import SOURCE_PAD, HybridTree, ancestor_mask
 from vllm_graft.vllm.proposer import GraftProposer, PendingTree, SettledRows
 from vllm_graft.vllm.timing import device_clock
 from vllm_graft.vllm.tree_attention import (TreeAttentionPlan, TreeRequestPlan, kv_reader,
@@ -119,9 +119,9 @@ def _prepare_tree_verification(runner, scheduler_output) -> GraftStep:
     return GraftStep(trees=trees, plan=TreeAttentionPlan(requests=requests))
 
 
-def _batch_trees(trees: list[VerifiedTree], batch: int, device) -> HybridTree:
-    """One tree per request of the persistent batch: the verified trees, and a bare
-    root for every other request (it emits one token and stops)."""
+def _batch_trees(trees: list[VerifiedTree], batch: int) -> HybridTree:
+    """One tree per request of the persistent batch, on the host: the verified trees,
+    and a bare root for every other request (it emits one token and stops)."""
     rows = max([1] + [t.tree.tokens.numel() for t in trees])
     tokens = torch.full((batch, rows), -1, dtype=torch.long)
     parents = torch.full((batch, rows), -1, dtype=torch.long)
@@ -137,12 +137,6 @@ def _batch_trees(trees: list[VerifiedTree], batch: int, device) -> HybridTree:
     valid = tokens >= 0
     return HybridTree(tokens=tokens, parents=parents, depths=depths, valid=valid,
                       source=source, ancestor=torch.empty(0), num_nodes=valid.sum(1))
-
-
-def _on_device(tree: HybridTree, device) -> HybridTree:
-    return HybridTree(**{name: getattr(tree, name).to(device) for name in
-                         ("tokens", "parents", "depths", "valid", "source", "ancestor",
-                          "num_nodes")})
 
 
 def _to_host(result: AcceptanceResult) -> AcceptanceResult:
@@ -186,8 +180,8 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
     starts = torch.cumsum(num_sampled, 0) - num_sampled  # first logits row per request
     batch = num_sampled.numel()
     trees = step.trees if step is not None else []
-    host_tree = _batch_trees(trees, batch, device)
-    tree = _on_device(host_tree, device)
+    host_tree = _batch_trees(trees, batch)
+    tree = host_tree.to(device)
     level_logprobs = []
     all_rows = torch.arange(batch, device=device)
 
@@ -257,7 +251,9 @@ def _learn(runner, logits, spec_decode_metadata, starts, trees) -> None:
         if verified is not None:
             n = verified.tree.tokens.numel()
             rows.append(starts[b] + torch.arange(n, device=starts.device))
-            tokens.append(verified.tree.tokens.to(starts.device))
+            # padding nodes of fixed-shape trees teach nothing (-1 skips the row)
+            tokens.append(torch.where(verified.tree.source == SOURCE_PAD, -1,
+                                      verified.tree.tokens).to(starts.device))
         else:
             row = starts[b:b + 1]
             rows.append(row)
@@ -355,7 +351,8 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
 #: BuildStats fields summed into the counter of the same meaning
 _BUILD_TOTALS = {"draft_forwards": "draft_steps", "draft_nodes": "draft_nodes",
                  "retrieved_nodes": "retrieved_nodes", "merged_nodes": "both_nodes",
-                 "retrieval_lookups": "retrieval_lookups", "retrieval_hits": "retrieval_hits"}
+                 "retrieval_lookups": "retrieval_lookups", "retrieval_hits": "retrieval_hits",
+                 "padded_nodes": "padded_nodes", "replaced_nodes": "replaced_nodes"}
 
 
 def _count_build(stats: GraftStats, build, checkpoints) -> None:

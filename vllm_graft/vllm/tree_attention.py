@@ -374,7 +374,7 @@ def check_kernel_on_layout(reader, scratch: torch.Tensor, block_table: torch.Ten
     plan = TreeAttentionPlan(requests=[TreeRequestPlan(
         query_start=0, num_rows=rows, prefix_len=length - rows, block_table=block_table,
         mask=mask)])
-    kv_heads, head = views[0].shape[2], views[0].shape[3]
+    head = views[0].shape[3]
     gen = torch.Generator(device="cpu").manual_seed(1)
     query = torch.randn(rows, heads, head, generator=gen).to(scratch.device, scratch.dtype)
     keys, values = reader(scratch, block_table, length)  # [kv_heads, length, head]

@@ -1,0 +1,73 @@
+"""Per-token sources on the real engine: the recorded trees placed in each output must
+agree with the output tokens, the labelled counts with the engine's acceptance
+counters, and ``vllm-graft generate --json`` must carry them for every token."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+from tests.vllm.conftest import graft_spec, running_llm, spec_metrics
+from tests.vllm.test_greedy_lossless import PROMPTS
+
+ACCEPTED = ("draft", "retrieved", "both", "padding")
+
+
+def test_labels_match_outputs_and_acceptance_counters(tiny_models):
+    from vllm import SamplingParams
+
+    from vllm_graft.cli.sources import label_output, mismatches, records_by_request
+    from vllm_graft.vllm.rpc import start_tree_recording, take_tree_records
+
+    prompts = PROMPTS[:6]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with running_llm(tiny_models.target, graft_spec(tiny_models.head, budget=16)) as llm:
+        llm.collective_rpc(start_tree_recording)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        records = llm.collective_rpc(take_tree_records)[0]
+        metrics = spec_metrics(llm)
+
+    by_request = records_by_request(records)
+    assert set(by_request) == {o.request_id for o in outputs}
+    labelled, cut = Counter(), Counter()
+    for output in outputs:
+        tokens = list(output.outputs[0].token_ids)
+        mine = by_request[output.request_id]
+        prompt_len = len(output.prompt_token_ids)
+        assert mismatches(mine, prompt_len, tokens) == []
+        result = label_output(mine, prompt_len, tokens)
+        assert len(result.sources) == len(tokens) == 40
+        assert result.sources[0] == "target"  # the prefill's token
+        labelled += result.counts()
+        cut += result.cut
+    assert sum(labelled[s] for s in ("draft", "retrieved", "both")) > 0
+    for source in ACCEPTED:
+        assert labelled[source] + cut[source] == metrics.get(f"graft_accepted_{source}", 0), source
+    accepted = sum(labelled[s] + cut[s] for s in ACCEPTED)
+    assert accepted == metrics["spec_decode_num_accepted_tokens"]
+    # every output token carries exactly one label
+    assert sum(labelled.values()) == 40 * len(prompts)
+
+
+def test_generate_json_carries_sources(tiny_models, tmp_path):
+    from vllm_graft.cli import generate
+
+    spec = tmp_path / "graft.json"
+    spec.write_text(json.dumps(graft_spec(tiny_models.head, budget=16)))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def fib(n):\\n\nwhile True:\\n\n")
+    out = tmp_path / "report.json"
+    code = generate.main([str(tiny_models.target), "--speculative-config", str(spec),
+                          "--prompts", str(prompts), "--dtype", "float32", "--max-tokens",
+                          "24", "--max-model-len", "512", "--json", str(out),
+                          "--log-file", str(tmp_path / "engine.log")])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert "mean_accepted_tokens" in report["graft"]
+    assert len(report["outputs"]) == 2
+    for item in report["outputs"]:
+        assert len(item["tokens"]) == len(item["pieces"]) == len(item["sources"]) == 24
+        assert set(item["sources"]) <= {*ACCEPTED, "target"}
+    by_source = report["graft"]["tokens_by_source"]
+    assert sum(by_source.values()) == 48
+    assert (tmp_path / "engine.log").read_text()  # engine logs went to the file
