@@ -9,8 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_graft.core.budget import (AcceptanceModel, CostModel, choose_nodes,
+from vllm_graft.core.acceptance import SamplingBatch, accept_tree
+from vllm_graft.core.budget import (AcceptanceModel, CostModel, TreeSizer, choose_nodes,
                                     path_probability)
+from vllm_graft.core.hybrid import (SOURCE_DRAFT, SOURCE_RETRIEVED, HybridTree,
+                                    ancestor_mask, trim_tree)
 
 ROOT = Path(__file__).resolve().parents[2]
 H200_PROFILE = ROOT / "bench/results/gpu/2026-11-30-h200/verification_cost_cuda_graphs.json"
@@ -144,3 +147,95 @@ def test_acceptance_model_learns_per_source_and_depth():
     before = model.trials.clone()
     model.observe(source, depth, score, torch.zeros(n, dtype=torch.bool), accepted)
     assert torch.equal(model.trials, before)
+
+
+# ---- trimming and learning on hybrid trees ----------------------------------------------
+VOCAB = 50
+
+
+def hybrid_bushy(batch: int, nodes: int, generator: torch.Generator) -> HybridTree:
+    """Bushy trees (three children per node) with distinct sibling tokens; even rows
+    drafted, odd rows retrieved."""
+    parents, depths, valid, _ = bushy_tree(batch, nodes)
+    tokens = torch.randint(0, VOCAB, (batch, nodes + 1), generator=generator)
+    for i in range(1, nodes + 1):  # siblings distinct: offset by the sibling rank
+        tokens[:, i] = (tokens[:, parents[0, i]] * 7 + (i - 1) % 3 + 1) % VOCAB
+    source = torch.where(torch.arange(nodes + 1) % 2 == 0, SOURCE_DRAFT, SOURCE_RETRIEVED)
+    source = source.to(torch.uint8).expand(batch, -1).clone()
+    source[:, 0] = 0
+    return HybridTree(tokens=tokens, parents=parents, depths=depths, valid=valid,
+                      source=source, ancestor=ancestor_mask(parents, valid, int(depths.max())),
+                      num_nodes=valid.sum(1))
+
+
+def sibling_score(tree: HybridTree) -> torch.Tensor:
+    """1 / (1 + sibling rank): what the builder knows of a node's order among siblings."""
+    rank = (torch.arange(tree.tokens.shape[1]) - 1) % 3
+    return (1.0 / (1.0 + rank.double())).expand(tree.tokens.shape[0], -1)
+
+
+def greedy_logits(tree: HybridTree, successor: torch.Tensor) -> torch.Tensor:
+    """A deterministic target: after token t it always says successor[t]."""
+    return torch.nn.functional.one_hot(successor[tree.tokens.clamp(min=0)], VOCAB).double()
+
+
+def test_trimmed_tree_is_valid_and_accepts_a_prefix_of_the_full_walk():
+    generator = torch.Generator().manual_seed(8)
+    tree = hybrid_bushy(4, 30, generator)
+    # a target that follows the first child twice, then disagrees
+    successor = torch.randint(0, VOCAB, (VOCAB,), generator=generator)
+    keep = torch.zeros_like(tree.valid)
+    keep[:, :8] = True  # rows 0..7: a parents-first prefix is closed under parents
+    keep[1, 20] = True  # and a deep row of request 1 with its ancestors
+    row = 20
+    while row > 0:
+        keep[1, row] = True
+        row = int(tree.parents[1, row])
+    trimmed = trim_tree(tree, keep)
+    assert trimmed.tokens.shape == tree.tokens.shape
+    assert trimmed.num_nodes.tolist() == keep.sum(1).tolist()
+    for b in range(4):
+        n = int(trimmed.num_nodes[b])
+        kept_tokens = tree.tokens[b][keep[b]]
+        assert trimmed.tokens[b, :n].tolist() == kept_tokens.tolist()
+        assert (trimmed.parents[b, 1:n] < torch.arange(1, n)).all()  # parents first
+    full = accept_tree(tree, greedy_logits(tree, successor), SamplingBatch.greedy(4))
+    cut = accept_tree(trimmed, greedy_logits(trimmed, successor), SamplingBatch.greedy(4))
+    for b in range(4):
+        n = int(cut.num_accepted[b])
+        assert n <= int(full.num_accepted[b])
+        assert cut.output_tokens[b, :n].tolist() == full.output_tokens[b, :n].tolist()
+
+
+def test_sizer_learns_acceptance_and_cuts_where_nodes_do_not_pay():
+    generator = torch.Generator().manual_seed(9)
+    cost = CostModel.from_gpu_check(H200_PROFILE, context=1024)
+    sizer = TreeSizer(cost)
+    truth = {SOURCE_DRAFT: 0.55, SOURCE_RETRIEVED: 0.15}
+    for _ in range(60):  # verified steps: accept children with the true odds
+        tree = hybrid_bushy(8, 60, generator)
+        accepted = torch.full((8, 10), -1, dtype=torch.long)
+        for b in range(8):
+            node, depth = 0, 0
+            while depth < 10:
+                children = [c for c in range(1, 61) if int(tree.parents[b, c]) == node]
+                taken = next((c for c in children if torch.rand(1, generator=generator)
+                              < truth[int(tree.source[b, c])]), None)
+                if taken is None:
+                    break
+                accepted[b, depth], node, depth = taken, taken, depth + 1
+        result = type("R", (), {"accepted_rows": accepted})()
+        sizer.observe(tree, result, score=sibling_score(tree))
+    # first-ranked children are tried first, so their learned odds are the true ones:
+    # a retrieved one sits at depth 1 (row 1), a drafted one at depth 2 (row 4)
+    first = torch.ones(1, dtype=torch.float64)
+    for source, depth in ((SOURCE_RETRIEVED, 1), (SOURCE_DRAFT, 2)):
+        got = float(sizer.acceptance.conditional(torch.tensor([source]),
+                                                 torch.tensor([depth]), first)[0])
+        assert abs(got - truth[source]) < 0.08, (source, got, truth[source])
+    small_tree, large_tree = hybrid_bushy(1, 60, generator), hybrid_bushy(32, 60, generator)
+    small = sizer.choose(small_tree, sibling_score(small_tree)).nodes_per_request.double()
+    large = sizer.choose(large_tree, sibling_score(large_tree)).nodes_per_request.double()
+    assert 0 < large.mean() < small.mean()
+    trimmed, choice = sizer.trim(large_tree, sibling_score(large_tree))
+    assert trimmed.num_nodes.tolist() == (choice.nodes_per_request + 1).tolist()

@@ -29,6 +29,9 @@ from pathlib import Path
 
 import torch
 
+from vllm_graft.core.acceptance import AcceptanceResult
+from vllm_graft.core.hybrid import HybridTree, trim_tree
+
 SOURCE_NAMES = ("draft", "retrieved", "both")
 
 
@@ -253,3 +256,43 @@ def choose_nodes(path_prob: torch.Tensor, valid: torch.Tensor, cost: CostModel,
     keep[:, 0] = True
     return Choice(keep=keep, nodes_per_request=keep[:, 1:].sum(1),
                   expected_tokens=float(expected[best]), step_ms=float(time[best]))
+
+
+# ---- per step ---------------------------------------------------------------------------
+class TreeSizer:
+    """Cuts each step's hybrid trees to the nodes worth verifying, and learns from what
+    the target accepted. The builder's ``budget`` becomes the cap; whatever is cut,
+    acceptance on the remaining tree is as lossless as on any tree."""
+
+    def __init__(self, cost: CostModel, acceptance: AcceptanceModel | None = None):
+        self.cost = cost
+        self.acceptance = acceptance or AcceptanceModel()
+
+    def _score(self, tree: HybridTree, score: torch.Tensor | None) -> torch.Tensor:
+        return score if score is not None else torch.full(
+            tree.tokens.shape, 0.5, dtype=torch.float64, device=tree.tokens.device)
+
+    def choose(self, tree: HybridTree, score: torch.Tensor | None = None) -> Choice:
+        conditional = self.acceptance.conditional(tree.source, tree.depths,
+                                                  self._score(tree, score))
+        prob = path_probability(tree.parents, tree.depths, tree.valid, conditional)
+        return choose_nodes(prob, tree.valid, self.cost)
+
+    def trim(self, tree: HybridTree, score: torch.Tensor | None = None
+             ) -> tuple[HybridTree, Choice]:
+        choice = self.choose(tree, score)
+        return trim_tree(tree, choice.keep), choice
+
+    def observe(self, tree: HybridTree, result: AcceptanceResult,
+                score: torch.Tensor | None = None) -> None:
+        """Every verified node whose parent lay on the accepted path was a trial."""
+        batch, rows = tree.tokens.shape
+        on_path = torch.zeros(batch, rows + 1, dtype=torch.bool, device=tree.tokens.device)
+        on_path[:, 0] = True
+        accepted_rows = torch.where(result.accepted_rows >= 0, result.accepted_rows, rows)
+        on_path.scatter_(1, accepted_rows.to(on_path.device), True)
+        on_path = on_path[:, :rows]
+        parent_on_path = on_path.gather(1, tree.parents.clamp(min=0)) & (tree.parents >= 0)
+        trial = tree.valid & parent_on_path
+        self.acceptance.observe(tree.source, tree.depths, self._score(tree, score), trial,
+                                on_path)

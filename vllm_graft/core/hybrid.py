@@ -190,6 +190,27 @@ def pad_to_budget(tree: HybridTree, vocab_size: int) -> HybridTree:
         num_nodes=torch.full((batch,), rows, dtype=tree.num_nodes.dtype, device=device))
 
 
+def trim_tree(tree: HybridTree, keep: torch.Tensor) -> HybridTree:
+    """The tree restricted to the rows ``keep`` marks (``[B, N]`` bool, closed under
+    parents, root kept), compacted parents-first into the same number of rows (the
+    shape stays the same; dropped rows become padding at the end)."""
+    keep = keep & tree.valid
+    keep[:, 0] = True
+    batch, rows = tree.tokens.shape
+    new_row = torch.cumsum(keep.long(), dim=1) - 1
+    row_of = torch.where(keep, new_row, rows)
+    parents = torch.where(tree.parents >= 0, new_row.gather(1, tree.parents.clamp(min=0)), -1)
+    tokens = _scatter_rows(tree.tokens, row_of, rows, -1)
+    out_parents = _scatter_rows(parents, row_of, rows, -1)
+    depths = _scatter_rows(tree.depths, row_of, rows, 0)
+    source = _scatter_rows(tree.source, row_of, rows, 0)
+    valid = _scatter_rows(keep.to(torch.uint8), row_of, rows, 0).bool()
+    return HybridTree(
+        tokens=tokens, parents=out_parents, depths=depths, valid=valid, source=source,
+        ancestor=ancestor_mask(out_parents, valid, int(depths.max()) if depths.numel() else 0),
+        num_nodes=valid.sum(dim=1))
+
+
 def _scatter_rows(values: torch.Tensor, row_of: torch.Tensor, rows: int,
                   fill: int) -> torch.Tensor:
     """out[b, row_of[b, i]] = values[b, i], with one extra scratch row dropped at the end."""
