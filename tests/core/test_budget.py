@@ -239,3 +239,14 @@ def test_sizer_learns_acceptance_and_cuts_where_nodes_do_not_pay():
     assert 0 < large.mean() < small.mean()
     trimmed, choice = sizer.trim(large_tree, sibling_score(large_tree))
     assert trimmed.num_nodes.tolist() == (choice.nodes_per_request + 1).tolist()
+
+
+def test_frozen_profile_ignores_measurements_and_overhead_is_averaged():
+    frozen = CostModel(curves={1: ([1.0, 2.0], [10.0, 11.0])}, overhead_ms=3.0, frozen=True)
+    frozen.observe(1, 1, 50.0)
+    frozen.observe_overhead(40.0)
+    assert frozen.curves[1][1] == [10.0, 11.0] and frozen.overhead_ms == 3.0
+    live = CostModel(curves={1: ([1.0, 2.0], [10.0, 11.0])})
+    live.observe_overhead(10.0)
+    live.observe_overhead(20.0, rate=0.5)
+    assert live.overhead_ms == pytest.approx(15.0)

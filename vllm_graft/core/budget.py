@@ -51,6 +51,7 @@ class CostModel:
     overhead_ms: float = 0.0
     per_node_ms: float = 0.0
     key: dict[str, str] = field(default_factory=dict)  # model, device, dtype, layout
+    frozen: bool = False  # a pinned profile: no online refresh of curves or overhead
 
     def __post_init__(self):
         if not self.curves:
@@ -99,7 +100,10 @@ class CostModel:
                 rate: float = 0.1) -> None:
         """Move the nearest measured curve toward a real step's forward time: the whole
         curve is scaled, so the profile's shape is kept and its level tracks the device
-        (clock changes, other tenants, a different context length)."""
+        (clock changes, other tenants, a different context length). A frozen profile
+        stays as it is."""
+        if self.frozen:
+            return
         nearest = min(self.curves, key=lambda size: abs(size - batch))
         predicted = float(self._curve_ms(nearest, torch.tensor([float(total_tokens)]))[0])
         if predicted <= 0 or measured_ms <= 0:
@@ -109,9 +113,18 @@ class CostModel:
         self.curves[nearest] = (tokens, [value * scale for value in ms])
 
     # persistence: a profile is cached per (model, device, dtype, parallel layout)
+    def observe_overhead(self, spent_ms: float, rate: float = 0.2) -> None:
+        """Track what speculating costs a step besides verification (drafting,
+        bookkeeping), as a moving average; a frozen profile keeps its own."""
+        if self.frozen:
+            return
+        self.overhead_ms = spent_ms if self.overhead_ms == 0 else (
+            (1 - rate) * self.overhead_ms + rate * spent_ms)
+
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps({
             "key": self.key, "overhead_ms": self.overhead_ms, "per_node_ms": self.per_node_ms,
+            "frozen": self.frozen,
             "curves": {str(b): {"tokens": t, "ms": m} for b, (t, m) in self.curves.items()}},
             indent=1))
 
@@ -125,7 +138,7 @@ class CostModel:
                       for b, c in data["curves"].items()}
             model = cls(curves=curves, overhead_ms=float(data.get("overhead_ms", 0.0)),
                         per_node_ms=float(data.get("per_node_ms", 0.0)),
-                        key=dict(data.get("key", {})))
+                        key=dict(data.get("key", {})), frozen=bool(data.get("frozen", False)))
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise ValueError(f"cost profile {path}: {error}") from error
         if expected_key is not None and model.key != expected_key:

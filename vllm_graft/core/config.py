@@ -101,6 +101,13 @@ def default_rank_prior(width: int) -> tuple[float, ...]:
     return tuple(prior)
 
 
+def _expand_auto_budget(data: Any) -> Any:
+    """``budget: "auto"`` is the paper's budget as a cap, with per-step sizing on."""
+    if isinstance(data, dict) and data.get("budget") == "auto":
+        return {**data, "budget": PAPER_BUDGET, "auto_size": True}
+    return data
+
+
 class GraftConfig(BaseModel):
     """The ``graft`` section of the speculative config.
 
@@ -143,10 +150,14 @@ class GraftConfig(BaseModel):
     tree_shape: TreeShape = Field(
         TreeShape.AUTO, description="fixed: exactly budget nodes per tree; dynamic: up to "
         "budget; auto: fixed under CUDA graphs, dynamic in eager mode")
+    auto_size: bool = Field(
+        False, description="size each step's trees by measured cost and learned acceptance "
+        "(budget is the cap); budget: \"auto\" means budget 60 with this on")
 
     @model_validator(mode="before")
     @classmethod
     def _widen_default_rank_prior(cls, data: Any) -> Any:
+        data = _expand_auto_budget(data)
         if not isinstance(data, dict) or "rank_prior" in data:
             return data
         width = data.get("retrieval_width", len(DEFAULT_RANK_PRIOR))
@@ -160,6 +171,7 @@ class GraftConfig(BaseModel):
         """Without an explicit ``draft_keep``, the paper's 8 / 24 / 40 of 60 slots are
         scaled to the budget (budget 8 keeps 1 / 3 / 5). Other checkpoint layouts must
         say how many draft nodes each keeps."""
+        data = _expand_auto_budget(data)
         if not isinstance(data, dict) or "draft_keep" in data:
             return data
         checkpoints = tuple(data.get("checkpoints", PAPER_CHECKPOINTS))

@@ -561,6 +561,17 @@ FINGERPRINTS: tuple[Fingerprint, ...] = (
         params=('self', 'grammar_output'),
     ),
     Fingerprint(
+        'vllm.v1.worker.gpu_model_runner', 'GPUModelRunner._dummy_run',
+        patched_by=None,
+        why='called with a token count to measure the cost profile of budget "auto"',
+        params=(
+            'self', 'num_tokens', 'cudagraph_runtime_mode', 'force_attention',
+            'uniform_decode', 'allow_microbatching', 'skip_eplb', 'is_profile',
+            'create_mixed_batch', 'remove_lora', 'is_graph_capturing', 'num_active_loras',
+            'profile_seq_lens', 'randomize_inputs',
+        ),
+    ),
+    Fingerprint(
         'vllm.v1.sample.logits_processor', 'build_logitsprocs',
         patched_by='graft.logitsprocs',
         why=('patched where gpu_model_runner imports it; its non-speculative branch is '

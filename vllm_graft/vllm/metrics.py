@@ -39,6 +39,9 @@ GRAFT_COUNTERS = {
     "accepted_both": "Accepted tokens proposed by both.",
     "accepted_padding": "Accepted padding nodes of fixed-shape trees.",
     "padded_nodes": "Padding nodes that filled fixed-shape trees up to the budget.",
+    "auto_chosen_nodes": "Tree nodes budget \"auto\" chose to verify (the root excluded).",
+    "auto_predicted_accepted_milli": "Accepted tokens budget \"auto\" predicted, in "
+                                     "thousandths (compare with the accepted_* counters).",
     "replaced_nodes": "Low-confidence drafted nodes that fixed-shape trees replaced "
                       "with retrieved ones.",
     "bookkeeping_us": "Microseconds of Graft's own work outside model forwards.",

@@ -177,6 +177,7 @@ def _patch_runner() -> list[Patch]:
     from vllm_graft.vllm.config import ADDITIONAL_CONFIG_KEY
     from vllm_graft.vllm.proposer import GraftDraftModelProposer, GraftProposer
     from vllm_graft.vllm.kv_blocks import PagedKVLayout
+    from vllm_graft.vllm.timing import device_clock
     from vllm_graft.vllm.tree_attention import active_plan, check_impl_supported, kv_reader
 
     import torch
@@ -221,6 +222,11 @@ def _patch_runner() -> list[Patch]:
                 check_impl_supported(impl)
                 kv_reader(impl, layer, kv_cache)  # refuses a layout it cannot read
                 tree_attention_patch(type(impl)).apply()
+            if self.drafter.auto_size:
+                from vllm_graft.core.budget import TreeSizer
+                from vllm_graft.vllm.cost_profile import load_or_measure
+
+                self.drafter.sizer = TreeSizer(load_or_measure(self))
         return out
 
     def _update_states(self, scheduler_output, *args, **kwargs):
@@ -234,6 +240,7 @@ def _patch_runner() -> list[Patch]:
         out = call_original(cls, "_prepare_inputs")(self, scheduler_output, *args, **kwargs)
         if on(self):
             self._graft_step = graft_runner.prepare_tree_verification(self, scheduler_output)
+            self._graft_step.num_tokens = scheduler_output.total_num_scheduled_tokens
         return out
 
     def _model_forward(self, *args, **kwargs):
@@ -241,8 +248,13 @@ def _patch_runner() -> list[Patch]:
         plan = step.plan if step is not None else None
         if plan is None:
             return call_original(cls, "_model_forward")(self, *args, **kwargs)
+        sizer = self.drafter.sizer
+        start = device_clock(self.device) if sizer is not None else 0.0
         with active_plan(plan):
-            return call_original(cls, "_model_forward")(self, *args, **kwargs)
+            out = call_original(cls, "_model_forward")(self, *args, **kwargs)
+        if sizer is not None:  # the profile follows what verification really costs
+            sizer.cost.observe(1, step.num_tokens, (device_clock(self.device) - start) * 1e3)
+        return out
 
     def _sample(self, logits, spec_decode_metadata):
         if on(self) and spec_decode_metadata is not None:

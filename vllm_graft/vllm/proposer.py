@@ -36,6 +36,8 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.spec_decode.eagle import EagleProposer
 
+from vllm_graft.core.budget import Choice, TreeSizer
+from vllm_graft.core.config import TreeShape
 from vllm_graft.core.draft_tree import DraftStep
 from vllm_graft.core.graft import BuildStats, GraftTreeBuilder
 from vllm_graft.core.hybrid import ancestor_ids
@@ -112,6 +114,15 @@ class GraftTreeDrafting:
                                              tree_shape=settings.tree_shape)
         self.pending: dict[str, PendingTree] = {}
         self.last_build: BuildStats | None = None
+        # budget "auto": the sizer exists once the runner measured the cost profile
+        self.auto_size = config.auto_size and settings.tree_shape is TreeShape.DYNAMIC
+        if config.auto_size and not self.auto_size:
+            logger.warning("Graft: budget \"auto\" is off: fixed-shape trees always "
+                           "hold budget nodes")
+        self.sizer: TreeSizer | None = None
+        self.last_choice: Choice | None = None
+        # requests whose last tree was cut to nothing: steps since, while they skip drafting
+        self.plain_steps: dict[str, int] = {}
         self.max_model_len = vllm_config.model_config.max_model_len
         self.forward_seconds = 0.0  # head forwards, summed (for the overhead metrics)
 
@@ -133,6 +144,7 @@ class GraftTreeDrafting:
     def forget(self, req_ids) -> None:
         for req_id in req_ids:
             self.pending.pop(req_id, None)
+            self.plain_steps.pop(req_id, None)
 
     # ---- one drafting round -----------------------------------------------------------
     @torch.inference_mode()
@@ -166,6 +178,9 @@ class GraftTreeDrafting:
                     self._block_table(runner)[batch_rows.to(self.device)]))
         tree, stats = self.tree_builder.build(roots.to(self.device), expander)
         self.last_build = stats
+        self.last_choice = None
+        if self.sizer is not None:
+            tree, self.last_choice = self.sizer.trim(tree)
         tree = tree.to("cpu")
         stages, confidence = stats.stage.tolist(), stats.confidence.cpu()
         for t, i in enumerate(drafting):
@@ -176,13 +191,27 @@ class GraftTreeDrafting:
                                   stages[t], confidence[t])
             self.pending[req_id] = pending
             drafts[settled[i].batch_row] = pending.tokens[1:].tolist()
+            if self.last_choice is not None:
+                if n == 1:  # nothing worth verifying: decode plainly for a while
+                    self.plain_steps[req_id] = 1
+                else:
+                    self.plain_steps.pop(req_id, None)
         return drafts
 
+    #: with budget "auto", a request whose tree was cut to nothing skips drafting (the
+    #: drafter's cost with it) and tries again after this many plain steps
+    REPROBE_STEPS = 8
+
     def may_draft(self, req_state, root_position: int) -> bool:
-        """A tree needs its rows (and the drafter's) to fit in the context, and a request
-        whose options depend on earlier tokens is decoded plainly."""
+        """A tree needs its rows (and the drafter's) to fit in the context, a request
+        whose options depend on earlier tokens is decoded plainly, and so, for a while,
+        is a request whose last tree budget "auto" found not worth verifying."""
         config = self.settings.config
         if root_position + max(config.budget, config.max_depth) + 1 > self.max_model_len:
+            return False
+        plain = self.plain_steps.get(req_state.req_id)
+        if plain is not None and plain < self.REPROBE_STEPS:
+            self.plain_steps[req_state.req_id] = plain + 1
             return False
         return plain_decoding_reason(req_state.sampling_params,
                                      len(req_state.output_token_ids)) is None

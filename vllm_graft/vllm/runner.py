@@ -57,6 +57,7 @@ class GraftStep:
     trees: list[VerifiedTree]
     plan: TreeAttentionPlan | None
     result: AcceptanceResult | None = None  # rows follow the persistent batch
+    num_tokens: int = 0  # query tokens of the step's forward
 
 
 @dataclass
@@ -211,6 +212,8 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
         stats.counts["verified_nodes"] += sum(t.tree.tokens.numel() - 1 for t in trees)
         for source, n in accepted_by_source(host_tree, host).items():
             stats.counts[f"accepted_{source}"] += n
+        if runner.drafter.sizer is not None:
+            runner.drafter.sizer.observe(host_tree, host)
         for observer in TREE_OBSERVERS:
             for t in trees:
                 count = int(host.num_accepted[t.batch_row])
@@ -221,7 +224,8 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
         logprobs = _stack_levels(level_logprobs, output.shape[1])
     if step is not None and step.plan is not None:
         stats.add_seconds("tree_attention", step.plan.seconds)
-    stats.add_seconds("bookkeeping", device_clock(device) - start - level_zero_seconds)
+    runner._graft_sample_seconds = device_clock(device) - start - level_zero_seconds
+    stats.add_seconds("bookkeeping", runner._graft_sample_seconds)
     return SamplerOutput(sampled_token_ids=output.to(torch.int32), logprobs_tensors=logprobs)
 
 
@@ -345,6 +349,15 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
     stats.add_seconds("bookkeeping", device_clock(runner.device) - start - forward_seconds)
     if build is not None:
         _count_build(stats, build, proposer.settings.config.checkpoints)
+    choice = proposer.last_choice
+    if choice is not None:
+        # what speculating costs a step besides verification: drafting and bookkeeping
+        spent_ms = 1e3 * (device_clock(runner.device) - start
+                          + getattr(runner, "_graft_sample_seconds", 0.0))
+        proposer.sizer.cost.observe_overhead(spent_ms)
+        stats.counts["auto_chosen_nodes"] += int(choice.nodes_per_request.sum())
+        predicted = choice.expected_tokens - choice.nodes_per_request.numel()
+        stats.counts["auto_predicted_accepted_milli"] += int(round(predicted * 1000))
     return drafts
 
 

@@ -1,0 +1,77 @@
+"""The start-up cost profile behind ``budget: "auto"``: the target's forward time as a
+function of the batch's query tokens, measured on this engine with vLLM's own dummy
+forward, cached per (model, device, dtype, parallel layout) so a restart is fast, and
+refreshed online from real steps (:meth:`CostModel.observe`)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import statistics
+
+import torch
+
+from vllm_graft.assets.pypi import default_cache_dir
+from vllm_graft.core.budget import CostModel
+from vllm_graft.vllm.timing import device_clock
+
+logger = logging.getLogger(__name__)
+
+#: query-token counts measured at start-up (those within the engine's token budget)
+PROFILE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def profile_key(runner) -> dict[str, str]:
+    config = runner.vllm_config
+    device = torch.device(runner.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    parallel = config.parallel_config
+    return {"model": str(config.model_config.model), "device": name,
+            "dtype": str(config.model_config.dtype).removeprefix("torch."),
+            "layout": f"tp{parallel.tensor_parallel_size}"}
+
+
+def profile_path(key: dict[str, str]):
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return default_cache_dir() / "cost-profiles" / f"{digest}.json"
+
+
+def measure(runner, repeats: int = 3) -> CostModel:
+    """Median time of vLLM's dummy forward at each profiled token count."""
+    limit = runner.scheduler_config.max_num_batched_tokens
+    tokens = [n for n in PROFILE_TOKENS if n <= limit]
+    times = []
+    for n in tokens:
+        runner._dummy_run(n)  # warm-up
+        samples = []
+        for _ in range(repeats):
+            start = device_clock(runner.device)
+            runner._dummy_run(n)
+            samples.append((device_clock(runner.device) - start) * 1e3)
+        times.append(statistics.median(samples))
+    # the dummy batch spreads tokens over requests; one curve over total tokens
+    return CostModel(curves={1: ([float(n) for n in tokens], times)}, key=profile_key(runner))
+
+
+def load_or_measure(runner) -> CostModel:
+    key = profile_key(runner)
+    path = profile_path(key)
+    if path.is_file():
+        try:
+            model = CostModel.load(path, expected_key=key)
+            logger.info("Graft: cost profile from %s", path)
+            return model
+        except ValueError as error:
+            logger.warning("Graft: ignoring the cached cost profile (%s); measuring again",
+                           error)
+    model = measure(runner)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        model.save(path)
+    except OSError as error:  # a read-only cache only costs the next start-up
+        logger.warning("Graft: cost profile not cached (%s)", error)
+    tokens, ms = model.curves[1]
+    logger.info("Graft: measured cost profile (query tokens -> ms): %s",
+                ", ".join(f"{int(t)}: {m:.2f}" for t, m in zip(tokens, ms)))
+    return model
