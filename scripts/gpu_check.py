@@ -6,6 +6,9 @@ Sections, each recorded in one JSON (and a Markdown table) even when another fai
   fresh random mixed batches (prefill chunks, decodes, trees of 1 to 64 nodes, contexts
   off block boundaries), fp16 / bf16 / fp32, head dims 64 and 128, GQA, strided views of
   both paged-KV layouts; output poisoned with NaN before each run.
+* ``adapter_kernel_path``: the Graft adapter's kernel path against its SDPA path on tree
+  attention plans, for the three paged-KV layouts the kernel reads (bf16, fp16), and the
+  start-up layout check the adapter runs before using the kernel.
 * ``tree_kernel_timing``: Qwen3-8B attention shapes in bf16 (32 query heads, 8 KV heads,
   head dim 128), 60-node trees over contexts of 1K and 8K at batch 1 / 8 / 32: the
   kernel (several tile shapes) against a dense causal FlashAttention call with the same
@@ -97,6 +100,65 @@ def tree_kernel_check(device: torch.device, smoke: bool) -> dict:
                                       layout=layout, block_size=block_size,
                                       rows=int(batch["query"].shape[0]), rel_error=error,
                                       tolerance=TOLERANCE[dtype], all_written=finite, ok=ok))
+    return dict(ok=failures == 0, failures=failures, cases=cases)
+
+
+def adapter_kernel_path(device: torch.device, smoke: bool) -> dict:
+    """The adapter's kernel path against its SDPA path on tree attention plans, for every
+    paged-KV layout the kernel reads (what a Graft engine runs on a GPU), in bf16 and
+    fp16, with the start-up layout check."""
+    from vllm_graft.kernels.tree_mask import unpack_ancestor_bits
+    from vllm_graft.testing.paged_batches import random_tree_bits, relative_error
+    from vllm_graft.vllm.tree_attention import (TreeAttentionPlan, TreeRequestPlan,
+                                                _read_heads_kv_last, _read_kv_first,
+                                                _read_kv_second, check_kernel_on_layout,
+                                                kernel_cache_views, kernel_tree_rows,
+                                                sdpa_tree_rows)
+
+    heads, kv_heads, head, block, blocks = (4, 2, 64, 16, 24) if smoke else (32, 8, 128, 16, 256)
+    layouts = {"kv_first": (_read_kv_first, (2, blocks, block, kv_heads, head)),
+               "blocks_first": (_read_kv_second, (blocks, 2, block, kv_heads, head)),
+               "heads_kv_last": (_read_heads_kv_last, (blocks, kv_heads, block, 2 * head))}
+    sizes, prefixes = ([1, 9, 33], [40, 0, 77]) if smoke else ([1, 9, 33, 60, 61],
+                                                               [40, 0, 777, 1500, 300])
+    generator = torch.Generator().manual_seed(12)
+    cases, failures = [], 0
+    for dtype in (torch.bfloat16, torch.float16):
+        for name, (reader, shape) in layouts.items():
+            kv_cache = torch.randn(shape, generator=generator).to(device, dtype)
+            order = torch.randperm(blocks, generator=generator)
+            requests, start, used = [], 0, 0
+            for n, prefix in zip(sizes, prefixes):
+                count = (prefix + n + block - 1) // block
+                table = order[used:used + count].to(torch.int32).to(device)
+                used += count
+                mask = unpack_ancestor_bits(random_tree_bits(n, generator), n).to(device)
+                requests.append(TreeRequestPlan(query_start=start, num_rows=n,
+                                                prefix_len=prefix, block_table=table,
+                                                mask=mask))
+                start += n
+            plan = TreeAttentionPlan(requests=requests)
+            keys = torch.empty(start, kv_heads, head, device=device, dtype=dtype)
+            values = torch.empty_like(keys)
+            for req in requests:
+                k, v = reader(kv_cache, req.block_table, req.prefix_len + req.num_rows)
+                rows = slice(req.query_start, req.query_start + req.num_rows)
+                keys[rows] = k[:, req.prefix_len:].transpose(0, 1)
+                values[rows] = v[:, req.prefix_len:].transpose(0, 1)
+            query = torch.randn(start, heads, head, generator=generator).to(device, dtype)
+            expected = torch.zeros_like(query)
+            sdpa_tree_rows(plan, "layer", query, keys, values, kv_cache, reader,
+                           head ** -0.5, expected)
+            got = torch.full_like(query, float("nan"))
+            kernel_tree_rows(plan, query, kernel_cache_views(reader, kv_cache), head ** -0.5,
+                             got)
+            error = relative_error(got, expected)
+            check = check_kernel_on_layout(reader, kv_cache, requests[0].block_table,
+                                           prefixes[0] + sizes[0], heads, head ** -0.5)
+            ok = bool(torch.isfinite(got).all()) and error < TOLERANCE[dtype] and check
+            failures += not ok
+            cases.append(dict(dtype=str(dtype).removeprefix("torch."), layout=name,
+                              rows=start, rel_error=error, startup_check=check, ok=ok))
     return dict(ok=failures == 0, failures=failures, cases=cases)
 
 
@@ -283,7 +345,8 @@ def verification_cost(device: torch.device, smoke: bool) -> dict:
                 attention="sdpa, static KV cache, logits at every query row", rows=rows)
 
 
-SECTIONS = {"tree_kernel_check": tree_kernel_check, "tree_kernel_timing": tree_kernel_timing,
+SECTIONS = {"tree_kernel_check": tree_kernel_check, "adapter_kernel_path": adapter_kernel_path,
+            "tree_kernel_timing": tree_kernel_timing,
             "bookkeeping": bookkeeping, "verification_cost": verification_cost}
 
 
@@ -322,6 +385,8 @@ TABLES = {
     "tree_kernel_check": lambda r: table(
         ["dtype", "head_dim", "heads", "kv_heads", "layout", "block_size", "rows",
          "rel_error", "tolerance", "all_written", "ok"], r["cases"]),
+    "adapter_kernel_path": lambda r: table(
+        ["dtype", "layout", "rows", "rel_error", "startup_check", "ok"], r["cases"]),
     "tree_kernel_timing": lambda r: table(
         ["batch", "context", "tree_nodes", "kernel_ms", "best_variant", "kernel_kv_gb_per_s",
          "dense_causal_flash_ms", "kernel_over_dense", "fallback_sdpa_ms"], r["rows"]),

@@ -37,3 +37,16 @@ def test_rows_without_a_tree_are_causal():
     got = visible_positions(seq_len=5, q_len=3, tree_start=5,
                             tree_bits=torch.zeros(3, dtype=torch.int64))
     assert torch.equal(got, torch.ones(3, 5, dtype=torch.bool).tril(diagonal=2))
+
+
+def test_gpu_check_imports_need_no_vllm():
+    # scripts/gpu_check.sh runs where vLLM is not installed: what it imports must not
+    # import vLLM (blocked here so a stray import fails)
+    import subprocess
+    import sys
+
+    script = ("import sys\nsys.modules['vllm'] = None\n"
+              "import vllm_graft.vllm.tree_attention, vllm_graft.kernels, "
+              "vllm_graft.testing.paged_batches, vllm_graft.core.budget\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
