@@ -54,12 +54,10 @@ def graft_spec(head: Path, **graft) -> dict:
 
 
 def spec_metrics(llm) -> dict:
-    out = {}
-    for metric in llm.get_metrics():
-        if metric.name.startswith(("vllm:spec_decode", "vllm:graft")):
-            out[metric.name.removeprefix("vllm:")] = getattr(
-                metric, "values", getattr(metric, "value", None))
-    return out
+    """The engine's speculative-decoding and Graft counters (the CLI's own reader)."""
+    from vllm_graft.cli.common import counters
+
+    return counters(llm)
 
 
 def mean_accepted(metrics: dict) -> float:

@@ -44,7 +44,7 @@ from vllm_graft.core.hybrid import ancestor_ids
 from vllm_graft.core.successor import SuccessorMatrix
 from vllm_graft.vllm.config import GraftSettings
 from vllm_graft.vllm.sampling import plain_decoding_reason
-from vllm_graft.vllm.timing import device_clock
+from vllm_graft.vllm.timing import SpanTimer
 from vllm_graft.vllm.tree_attention import (TreeAttentionPlan, TreeKVStore, TreeRequestPlan,
                                             active_plan)
 
@@ -124,7 +124,7 @@ class GraftTreeDrafting:
         # requests whose last tree was cut to nothing: steps since, while they skip drafting
         self.plain_steps: dict[str, int] = {}
         self.max_model_len = vllm_config.model_config.max_model_len
-        self.forward_seconds = 0.0  # head forwards, summed (for the overhead metrics)
+        self.forward_timer = SpanTimer(device)  # head forwards (for the overhead metrics)
 
     @property
     def matrix(self) -> SuccessorMatrix:
@@ -269,12 +269,10 @@ class GraftTreeDrafting:
             built = group.build_metadata_for_drafting(common, draft_index=0)
             for name in group.layer_names:
                 metadata[name] = built
-        start = device_clock(self.device)
-        with set_forward_context(metadata, self.vllm_config, num_tokens=int(counts.sum()),
-                                 slot_mapping={name: slot_mapping
-                                               for name in self._draft_attn_layer_names}):
+        with self.forward_timer.span(), set_forward_context(
+                metadata, self.vllm_config, num_tokens=int(counts.sum()),
+                slot_mapping={name: slot_mapping for name in self._draft_attn_layer_names}):
             last_hidden, next_hidden = self._forward(input_ids, positions, hidden)
-        self.forward_seconds += device_clock(self.device) - start
         last_rows = torch.from_numpy(query_start[1:].astype(np.int64) - 1).to(self.device)
         return last_rows, last_hidden, next_hidden
 
@@ -420,13 +418,11 @@ class _TreeExpansion:
                 mask=mask, context_rows=ctx_rows))
         plan = TreeAttentionPlan(requests=plans, store=self.store, replace_all=True,
                                  store_rows=torch.arange(num_active * width, device=device))
-        start = device_clock(device)
-        with active_plan(plan), set_forward_context(
+        with proposer.forward_timer.span(), active_plan(plan), set_forward_context(
                 {name: None for name in proposer._draft_attn_layer_names},
                 proposer.vllm_config, num_tokens=num_active * width, slot_mapping={}):
             last_hidden, next_hidden = proposer._forward(
                 tokens.reshape(-1).to(torch.int32), positions, hidden)
-        proposer.forward_seconds += device_clock(device) - start
         self.store.num_rows += num_active * width
         if next_hidden is not None:
             self.hidden_rows.append(next_hidden)

@@ -339,21 +339,22 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
     proposer: GraftProposer = runner.drafter
     step: GraftStep | None = runner._graft_step
     runner._graft_step = None
-    start, forwards = device_clock(runner.device), proposer.forward_seconds
+    start = device_clock(runner.device)
+    proposer.forward_timer.take_seconds()  # spans of earlier steps (e.g. dummy runs)
     settled = settled_rows(runner, scheduler_output, sampled_token_ids, step)
     drafts = proposer.propose_trees(runner, scheduler_output, settled, aux_hidden_states)
     build = proposer.last_build
     stats: GraftStats = runner._graft_stats
-    forward_seconds = proposer.forward_seconds - forwards
+    end = device_clock(runner.device)
+    forward_seconds = proposer.forward_timer.take_seconds()
     stats.add_seconds("draft_forward", forward_seconds)
-    stats.add_seconds("bookkeeping", device_clock(runner.device) - start - forward_seconds)
+    stats.add_seconds("bookkeeping", end - start - forward_seconds)
     if build is not None:
         _count_build(stats, build, proposer.settings.config.checkpoints)
     choice = proposer.last_choice
     if choice is not None:
         # what speculating costs a step besides verification: drafting and bookkeeping
-        spent_ms = 1e3 * (device_clock(runner.device) - start
-                          + getattr(runner, "_graft_sample_seconds", 0.0))
+        spent_ms = 1e3 * (end - start + getattr(runner, "_graft_sample_seconds", 0.0))
         proposer.sizer.cost.observe_overhead(spent_ms)
         stats.counts["auto_chosen_nodes"] += int(choice.nodes_per_request.sum())
         predicted = choice.expected_tokens - choice.nodes_per_request.numel()

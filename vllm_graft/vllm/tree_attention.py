@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 import os
 import time
@@ -387,6 +388,7 @@ def check_kernel_on_layout(reader, scratch: torch.Tensor, block_table: torch.Ten
     return error < 2e-2
 
 
+@functools.cache
 def _triton_available() -> bool:
     try:
         import triton  # noqa: F401
