@@ -250,3 +250,62 @@ def test_frozen_profile_ignores_measurements_and_overhead_is_averaged():
     live.observe_overhead(10.0)
     live.observe_overhead(20.0, rate=0.5)
     assert live.overhead_ms == pytest.approx(15.0)
+
+
+def test_acceptance_model_learns_context_copies_as_their_own_source():
+    """A copied node is its own class, whatever else proposed it: its odds are learned
+    apart from drafted and retrieved nodes of the same depth."""
+    from vllm_graft.core.budget import SOURCE_NAMES, AcceptanceModel
+    from vllm_graft.core.hybrid import SOURCE_CONTEXT, SOURCE_DRAFT, SOURCE_RETRIEVED
+
+    model = AcceptanceModel(prior_accepts=1.0, prior_trials=2.0)
+    copied = torch.tensor([SOURCE_CONTEXT, SOURCE_CONTEXT | SOURCE_DRAFT,
+                           SOURCE_CONTEXT | SOURCE_RETRIEVED] * 10)
+    depth = torch.ones_like(copied)
+    score = torch.full(copied.shape, 0.5)
+    model.observe(copied, depth, score, torch.ones_like(copied, dtype=torch.bool),
+                  torch.ones_like(copied, dtype=torch.bool))
+    drafted = torch.tensor([SOURCE_DRAFT])
+    assert float(model.conditional(copied[:1], depth[:1], score[:1])) == 31 / 32
+    assert float(model.conditional(drafted, depth[:1], score[:1])) == 0.5
+    assert model.accepts.shape[0] == len(SOURCE_NAMES) == 4
+
+
+def test_throughput_guard_runs_the_measured_faster_mode_and_keeps_checking():
+    from vllm_graft.core.budget import ThroughputGuard
+
+    def run(speculative_tps: float, plain_tps: float, steps: int = 640, batch: int = 4):
+        guard = ThroughputGuard(probe_steps=4, explore_every=64)
+        modes = []
+        for _ in range(steps):
+            mode = guard.speculate(batch)
+            modes.append(mode)
+            guard.observe(mode, batch, tokens=batch, seconds=batch / (
+                speculative_tps if mode else plain_tps))
+        return modes, guard
+
+    modes, guard = run(speculative_tps=50.0, plain_tps=100.0)
+    assert guard.preferred(4) is False
+    # after the first probes only the exploration windows speculate: 4 of every 64 steps
+    assert sum(modes[8:]) <= (640 // 64 + 1) * 4
+    assert sum(modes[8:]) > 0  # it keeps checking
+    modes, guard = run(speculative_tps=150.0, plain_tps=100.0)
+    assert guard.preferred(3) is True  # 3 and 4 share a bucket
+    assert len(modes) - sum(modes) <= 4 + (640 // 64 + 1) * 4
+
+
+def test_throughput_guard_follows_a_change_and_measures_each_batch_bucket():
+    from vllm_graft.core.budget import ThroughputGuard
+
+    guard = ThroughputGuard(probe_steps=2, explore_every=16)
+    rates = {True: 150.0, False: 100.0}
+    for step in range(400):
+        if step == 200:
+            rates = {True: 60.0, False: 100.0}  # e.g. the text stops being predictable
+        mode = guard.speculate(8)
+        guard.observe(mode, 8, tokens=8, seconds=8 / rates[mode])
+    assert guard.preferred(8) is False
+    assert guard.preferred(1) is None  # batch 1 was never measured
+    assert guard.speculate(1) is True  # so it is probed first
+    with pytest.raises(ValueError, match="explore_every"):
+        ThroughputGuard(probe_steps=8, explore_every=8)

@@ -64,3 +64,20 @@ def test_wider_templates_get_a_widened_default_prior():
     assert all(a > b > 0 for a, b in zip(cfg.rank_prior, cfg.rank_prior[1:]))
     with pytest.raises(ValueError, match="rank_prior needs at least"):
         GraftConfig(retrieval_width=16, successor_k=16, rank_prior=[0.5] * 8)
+
+
+def test_context_copies_default_by_variant_and_survive_a_round_trip():
+    """On for the product variant, off for the ablations unless named; the adapter
+    ships the config to workers as a dump, which must not change that."""
+    from vllm_graft.core.config import GraftConfig
+
+    cases = [({}, True), ({"variant": "prune_only"}, False), ({"context": False}, False),
+             ({"variant": "retrieval_only", "context": True}, True),
+             ({"variant": "dense_tree", "context": {"max_nodes": 4}}, True)]
+    for data, expected in cases:
+        config = GraftConfig.from_dict(data)
+        shipped = GraftConfig.from_dict(config.model_dump(mode="json", exclude_none=True))
+        assert config.uses_context is shipped.uses_context is expected, data
+    assert GraftConfig.from_dict({"context": {"max_nodes": 4}}).context_settings.max_nodes == 4
+    with pytest.raises(GraftConfigError, match="graft.context.max_ngram"):
+        GraftConfig.from_dict({"context": {"max_ngram": 0}})

@@ -99,4 +99,40 @@ def test_retrieval_learns_the_target_while_decoding():
     assert emitted == [t % VOCAB for t in range(len(emitted))]  # greedy output is the target's
     assert accepted[0] == 0 and accepted[-1] >= chain >= 6
     assert accepted_by_source(tree, result) == {"draft": 0, "retrieved": accepted[-1], "both": 0,
-                                                "padding": 0}
+                                                "context": 0, "padding": 0}
+
+
+def test_context_nodes_come_first_merge_with_others_and_are_counted():
+    """Copied nodes lead the merge (the budget cut falls on retrieval), a copied token
+    equal to a drafted or retrieved sibling merges into one node carrying both tags, and
+    stats and acceptance counts classify copied nodes as ``context``."""
+    from vllm_graft.core.acceptance import AcceptanceResult
+    from vllm_graft.core.hybrid import SOURCE_CONTEXT
+
+    cfg = GraftConfig(budget=8, checkpoints=(0, 1, 5), draft_keep=(2, 4, 6))
+    builder = GraftTreeBuilder(cfg, _matrix())
+    drafter = TableDrafter(VOCAB, cfg.top_k, confidence=CONFIDENCE)
+    roots = torch.tensor([1, 2])
+    plain_tree, _ = builder.build(roots, drafter)
+    first_child = int(plain_tree.tokens[0, 1])  # the tree's best candidate for request 0
+    # request 0 copies a chain whose first token is that candidate; request 1 copies 3
+    # nodes no other source proposes (tokens above the table drafter's range are rare)
+    context = (torch.tensor([[first_child, 60, 61], [62, 63, 5]]),
+               torch.tensor([[-1, 0, 1], [-1, 0, -1]]),
+               torch.tensor([[1, 2, 3], [1, 2, 1]]))
+    tree, stats = builder.build(roots, drafter, context)
+    assert (tree.num_nodes == 9).all()
+    copied = (tree.source & SOURCE_CONTEXT).bool() & tree.valid
+    assert stats.context_nodes.tolist() == copied.sum(1).tolist()
+    assert tree.tokens[0, 1] == first_child and tree.source[0, 1] & SOURCE_DRAFT
+    assert tree.source[0, 1] & SOURCE_CONTEXT  # merged: both tags
+    assert tree.tokens[1, 1:4].tolist() == [62, 63, 5]  # parents first, in the given order
+    assert copied[1, 1:4].all()
+    assert tree.num_nodes.tolist() == plain_tree.num_nodes.tolist()  # same budget
+    # the copied chain of request 1 is accepted: 2 context nodes, classified as context
+    path = [int((tree.tokens[1] == 62).nonzero()), int((tree.tokens[1] == 63).nonzero())]
+    result = AcceptanceResult(accepted_rows=torch.tensor([[-1, -1], path]),
+                              output_tokens=torch.zeros(2, 3, dtype=torch.long),
+                              num_accepted=torch.tensor([0, 2]))
+    counts = accepted_by_source(tree, result)
+    assert counts["context"] == 2 and counts["draft"] == counts["retrieved"] == 0

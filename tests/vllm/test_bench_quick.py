@@ -11,14 +11,21 @@ from vllm_graft.cli.bench import main as bench_main
 
 def test_bench_quick_runs_every_method_losslessly(tmp_path):
     out = tmp_path / "quick"
-    code = bench_main(["--quick", "--out", str(out), "--max-num-seqs", "8"])
+    code = bench_main(["--quick", "--out", str(out), "--max-num-seqs", "8",
+                       "--batch-sizes", "3", "--batch-methods", "plain", "graft_auto"])
     results = json.loads((out / "results.json").read_text())
     methods = {r["method"] for r in results["rows"] if r["dataset"] != "_engine"}
     assert {"plain", "eagle3", "ngram", "dense_tree", "prune_only", "retrieval_only",
-            "graft"} <= methods
+            "graft_no_context", "graft", "graft_auto"} <= methods
     agreement = results["greedy_agreement_with_plain"]
     assert all(a["identical"] == a["total"] > 0 for a in agreement.values()), agreement
     assert code == 0
     graft = [r for r in results["rows"] if r["method"] == "graft" and r["dataset"] != "_engine"]
     assert all(r["mat"] > 1.0 for r in graft), graft
     assert (out / "report.md").is_file() and (out / "mat_vs_speed.png").is_file()
+    # the batch sweep: 3 prompts per dataset at max_num_seqs 3, both methods lossless
+    swept = [r for r in results["batch_rows"] if r["dataset"] != "_engine"]
+    assert {(r["method"], r["batch"]) for r in swept} == {("plain", 3), ("graft_auto", 3)}
+    assert all(r["prompts"] == 3 for r in swept), swept
+    assert agreement["graft_auto@batch3"]["total"] == 3 * len(results["datasets"])
+    assert "## Batch sizes" in (out / "report.md").read_text()

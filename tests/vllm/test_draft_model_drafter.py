@@ -28,3 +28,61 @@ def test_draft_model_trees_are_lossless_and_accepted(tiny_models, plain_outputs)
         metrics = spec_metrics(llm)
     assert [list(o.outputs[0].token_ids) for o in outputs] == plain_outputs
     assert metrics["graft_accepted_draft"] + metrics["graft_accepted_both"] > 0
+
+
+class AlternatingGuard:
+    """A throughput-guard stand-in: three plain steps, then two speculative ones."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def speculate(self, batch: int) -> bool:
+        self.steps += 1
+        return self.steps % 5 >= 3
+
+    def observe(self, *args) -> None:
+        pass
+
+
+def install_alternating_guard(worker) -> None:
+    worker.model_runner.drafter.guard = AlternatingGuard()
+
+
+def test_deferred_drafter_inputs_keep_a_perfect_drafter_perfect(tiny_models, plain_outputs):
+    """While the guard decodes plainly the drafter is not run; the positions it missed
+    are fed before the next speculative step's. Were any of them lost, the drafter's
+    cache would have holes and this perfect drafter would stop being accepted to full
+    depth; output stays identical either way."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    chain = graft_spec(tiny_models.target, drafter="draft_model", variant="dense_tree",
+                       top_k=1, budget=8)
+    with running_llm(tiny_models.target, chain) as llm:
+        llm.collective_rpc(install_alternating_guard)
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        metrics = spec_metrics(llm)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == plain_outputs
+    assert metrics["graft_guard_plain_steps"] > metrics["graft_guard_speculative_steps"] > 0
+    assert mean_accepted(metrics) > 6.0, metrics  # every tree still accepted to depth 7
+
+
+def test_deferred_rows_stay_contiguous_and_bounded():
+    import torch
+
+    from vllm_graft.vllm.proposer import DeferredRows
+
+    rows = DeferredRows([], [], None)
+    rows.append([10, 11], [5, 6], torch.tensor([[5.0], [6.0]]), limit=4)
+    rows.append([12], [7], torch.tensor([[7.0]]), limit=4)
+    assert rows.positions == [5, 6, 7] and rows.tokens == [10, 11, 12]
+    rows.append([21, 22], [7, 8], torch.tensor([[7.5], [8.0]]), limit=4)  # 7 fed again
+    assert rows.positions == [5, 6, 7, 8] and rows.tokens == [10, 11, 21, 22]
+    assert rows.hidden.flatten().tolist() == [5.0, 6.0, 7.5, 8.0]
+    rows.append([23], [9], torch.tensor([[9.0]]), limit=4)  # the oldest makes room
+    assert rows.positions == [6, 7, 8, 9] and rows.hidden.flatten().tolist()[0] == 6.0
+    rows.append([30], [12], torch.tensor([[12.0]]), limit=4)  # a gap: start again
+    assert rows.positions == [12] and rows.tokens == [30] and rows.hidden.numel() == 1
+    untokened = DeferredRows([], [], None)  # a draft model has no hidden input
+    untokened.append([1, 2], [0, 1], None, limit=8)
+    assert untokened.hidden is None and untokened.positions == [0, 1]

@@ -90,3 +90,28 @@ def test_greedy_output_is_identical(tiny_models, plain_outputs, variant, budget,
         assert metrics["graft_stage_0"] == metrics["graft_trees_built"]
     if thresholds == NEVER_PRUNE:
         assert metrics["graft_stage_full"] == metrics["graft_trees_built"]
+
+
+def test_chain_trees_verify_with_the_backends_own_attention(tiny_models, plain_outputs):
+    """A one-wide retrieval template makes every tree a chain: such trees skip the tree
+    attention plan and the KV move (causal attention is their tree attention, accepted
+    rows are already in place), and output stays identical."""
+    spec = graft_spec(tiny_models.head, variant="retrieval_only", budget=8,
+                      retrieval_width=1, context=False)
+    with running_llm(tiny_models.target, spec) as llm:
+        assert_greedy_identical(llm, PROMPTS, plain_outputs, MAX_TOKENS)
+        metrics = spec_metrics(llm)
+    assert metrics["graft_verified_trees"] > 0
+    assert metrics["spec_decode_num_accepted_tokens"] > 0
+    assert metrics.get("graft_tree_attention_us", 0) == 0  # no tree row was recomputed
+
+
+def test_is_chain():
+    import torch
+
+    from vllm_graft.vllm.runner import is_chain
+
+    assert is_chain(torch.tensor([-1, 0, 1, 2]))
+    assert is_chain(torch.tensor([-1, 0]))
+    assert not is_chain(torch.tensor([-1, 0, 0]))
+    assert not is_chain(torch.tensor([-1, 0, 1, 1]))

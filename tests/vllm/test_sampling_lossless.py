@@ -54,12 +54,12 @@ def two_sample_pvalue(a: list, b: list, min_count: int = 10) -> float:
                                          torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-def sample(model, spec, setting, seed):
+def sample(model, spec, setting, seed, prompt: str | dict = PROMPT):
     from vllm import SamplingParams
 
     with running_llm(model, spec, max_num_seqs=256, max_num_batched_tokens=8192,
                      max_model_len=256, seed=seed) as llm:
-        outputs = llm.generate([PROMPT] * SAMPLES,
+        outputs = llm.generate([prompt] * SAMPLES,
                                SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **setting),
                                use_tqdm=False)
         metrics = spec_metrics(llm)

@@ -10,7 +10,7 @@ from collections import Counter
 from tests.vllm.conftest import graft_spec, running_llm, spec_metrics
 from tests.vllm.test_greedy_lossless import PROMPTS
 
-ACCEPTED = ("draft", "retrieved", "both", "padding")
+ACCEPTED = ("draft", "retrieved", "both", "context", "padding")
 
 
 def test_labels_match_outputs_and_acceptance_counters(tiny_models):
@@ -40,7 +40,7 @@ def test_labels_match_outputs_and_acceptance_counters(tiny_models):
         assert result.sources[0] == "target"  # the prefill's token
         labelled += result.counts()
         cut += result.cut
-    assert sum(labelled[s] for s in ("draft", "retrieved", "both")) > 0
+    assert sum(labelled[s] for s in ("draft", "retrieved", "both", "context")) > 0
     for source in ACCEPTED:
         assert labelled[source] + cut[source] == metrics.get(f"graft_accepted_{source}", 0), source
     accepted = sum(labelled[s] + cut[s] for s in ACCEPTED)

@@ -8,6 +8,7 @@ RepoBench-P, which cannot be had here.
 
 from __future__ import annotations
 
+import ast
 import glob
 import gzip
 import io
@@ -119,4 +120,34 @@ def stdlib_code(tokenizer, tokens: int, limit: int = 4) -> list[Prompt]:
             buffer = []
             if len(prompts) == limit:
                 break
+    return prompts
+
+
+def code_edit(limit: int = 10, min_lines: int = 12, max_lines: int = 40) -> list[Prompt]:
+    """Code editing (copy-heavy): rewrite a standard-library function with type hints
+    and a docstring, returning it whole. The answer repeats most of the prompt, as code
+    edits, refactors and RAG answers do, which is where copying from the context pays."""
+    prompts = []
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+    for path in files:
+        try:
+            source = Path(path).read_text()
+            tree = ast.parse(source)
+        except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+            continue
+        lines = source.splitlines()
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or ast.get_docstring(node):
+                continue
+            length = node.end_lineno - node.lineno + 1
+            if not min_lines <= length <= max_lines:
+                continue
+            body = "\n".join(lines[node.lineno - 1:node.end_lineno])
+            prompts.append(Prompt(
+                "Rewrite the following Python function with type hints and a docstring. "
+                "Keep the code otherwise unchanged and return the complete function.\n\n"
+                f"```python\n{body}\n```", True, "code-edit"))
+            break  # one function per file, so the prompts differ in style
+        if len(prompts) == limit:
+            break
     return prompts

@@ -13,7 +13,7 @@ import os
 import platform
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -43,6 +43,11 @@ class BenchConfig:
     ablation_datasets: list[str] = field(default_factory=lambda: ["humaneval", "mtbench"])
     drafter: str = "eagle3"  # or "draft_model": ``head`` is then a draft model
     command: str = ""
+    #: the batch sweep: each method of ``batch_methods`` on every dataset at each batch
+    #: size (``max_num_seqs``), with max(batch, prompts) prompts per dataset
+    batch_sizes: list[int] = field(default_factory=list)
+    batch_methods: list[str] = field(default_factory=lambda: ["plain", "ngram", "eagle3",
+                                                              "graft", "graft_auto"])
 
 
 def load_dataset(name: str, tokenizer, cache_dir: Path, limit: int) -> list[datasets.Prompt]:
@@ -52,6 +57,8 @@ def load_dataset(name: str, tokenizer, cache_dir: Path, limit: int) -> list[data
         return datasets.mtbench(cache_dir, limit)
     if name == "gsm8k":
         return datasets.gsm8k(cache_dir, limit)
+    if name == "code-edit":
+        return datasets.code_edit(limit)
     kind, _, size = name.partition("-")
     tokens = int(size.rstrip("k")) * 1024
     if kind == "essays":
@@ -75,10 +82,14 @@ def summarize(method: Method, delta: dict, tokens: int, seconds: float,
         trees = delta.get("graft_trees_built", 0) or 0
         row["draft_forwards_per_step"] = round(delta.get("graft_draft_forwards", 0) / trees, 3) \
             if trees else 0.0
-        by_source = {s: delta.get(f"graft_accepted_{s}", 0) for s in ("draft", "retrieved", "both")}
+        by_source = {s: delta.get(f"graft_accepted_{s}", 0)
+                     for s in ("draft", "retrieved", "both", "context")}
         total = sum(by_source.values())
-        row["accepted_share_retrieved"] = round(by_source["retrieved"] / total, 3) if total else 0.0
-        row["accepted_share_both"] = round(by_source["both"] / total, 3) if total else 0.0
+        for source in ("retrieved", "both", "context"):
+            row[f"accepted_share_{source}"] = round(by_source[source] / total, 3) if total \
+                else 0.0
+        copied = delta.get("graft_context_nodes", 0)
+        row["context_acceptance"] = round(by_source["context"] / copied, 3) if copied else None
         lookups = delta.get("graft_retrieval_lookups", 0)
         row["matrix_hit_rate"] = round(delta.get("graft_retrieval_hits", 0) / lookups, 3) \
             if lookups else None
@@ -144,6 +155,12 @@ def run_methods(config: BenchConfig, prompt_ids: dict[str, list], method_list,
             outputs[(method.name, dataset)] = tokens
             row = summarize(method, data["delta"], sum(len(t) for t in tokens),
                             data["seconds"], config.chain_tokens)
+            if data.get("steps"):
+                # tokens per decoding step over all steps, drafted or not (the prefill's
+                # token and step excluded): vLLM's MAT above counts steps with drafts only
+                decoded = sum(len(t) for t in tokens) - len(tokens)
+                steps = max(sum(data["steps"]) - len(tokens), 1)
+                row["tokens_per_step"] = round(decoded / steps, 3)
             rows.append({"method": method.name, "dataset": dataset, "prompts": len(tokens),
                          **row})
         rows.append({"method": method.name, "dataset": "_engine",
@@ -166,8 +183,9 @@ def run_bench(config: BenchConfig) -> dict:
         chosen.append(all_methods[name])
 
     prompt_sets, prompt_ids, longest = {}, {}, 0
+    most = max([config.prompts, *config.batch_sizes])
     for name in config.datasets:
-        prompts = load_dataset(name, tokenizer, config.cache_dir, config.prompts)
+        prompts = load_dataset(name, tokenizer, config.cache_dir, most)
         ids = render_prompts(tokenizer, prompts)
         fits = [(p, r) for p, r in zip(prompts, ids)
                 if len(r["prompt_token_ids"]) + config.max_tokens + config.budget + 8
@@ -182,30 +200,51 @@ def run_bench(config: BenchConfig) -> dict:
         longest = max(longest, max(len(ids) for ids in prompt_ids[name]))
     max_model_len = min(max_positions, longest + config.max_tokens + config.budget + 16)
 
-    rows, outputs = run_methods(config, prompt_ids, chosen, max_model_len)
-    agreement = {}
-    if "plain" in [m.name for m in chosen]:
-        for method in chosen:
-            same = total = 0
-            for name in prompt_sets:
-                for a, b in zip(outputs[("plain", name)], outputs[(method.name, name)]):
-                    same += int(a == b)
-                    total += 1
-            agreement[method.name] = {"identical": same, "total": total}
+    first = {name: ids[:config.prompts] for name, ids in prompt_ids.items()}
+    prompt_sets = {name: prompts[:config.prompts] for name, prompts in prompt_sets.items()}
+    rows, outputs = run_methods(config, first, chosen, max_model_len)
+    agreement = greedy_agreement(chosen, outputs, prompt_sets)
+
+    batch_rows = []
+    for batch in config.batch_sizes:
+        swept = [all_methods[name] for name in config.batch_methods]
+        subset = {name: ids[:max(batch, config.prompts)] for name, ids in prompt_ids.items()}
+        sweep = replace(config, max_num_seqs=batch)
+        found, sweep_outputs = run_methods(sweep, subset, swept, max_model_len,
+                                           label=f"batch{batch}")
+        batch_rows += [{"batch": batch, **row} for row in found]
+        for method, same in greedy_agreement(swept, sweep_outputs, subset).items():
+            agreement[f"{method}@batch{batch}"] = same
 
     ablations = []
     if config.ablations:
-        ablations = run_ablations(config, prompt_ids, max_model_len)
+        ablations = run_ablations(config, first, max_model_len)
     return {
         "config": portable_config(config),
         "machine": machine_description(),
         "max_model_len": max_model_len,
         "datasets": {name: len(p) for name, p in prompt_sets.items()},
         "rows": rows,
+        "batch_rows": batch_rows,
         "greedy_agreement_with_plain": agreement,
         "ablations": ablations,
         "notes": notes,
     }
+
+
+def greedy_agreement(chosen, outputs, prompt_sets) -> dict[str, dict[str, int]]:
+    """Per method: prompts whose greedy output equals plain decoding's (same run)."""
+    if "plain" not in [m.name for m in chosen]:
+        return {}
+    agreement = {}
+    for method in chosen:
+        same = total = 0
+        for name in prompt_sets:
+            for a, b in zip(outputs[("plain", name)], outputs[(method.name, name)]):
+                same += int(a == b)
+                total += 1
+        agreement[method.name] = {"identical": same, "total": total}
+    return agreement
 
 
 def run_ablations(config: BenchConfig, prompt_ids, max_model_len) -> list[dict]:

@@ -14,6 +14,31 @@ import sys
 import time
 
 
+def generate_counting_steps(llm, prompts: list, params) -> tuple[list[list[int]], list[int]]:
+    """Greedy generation through the engine's own step loop, with outputs streamed as
+    deltas: each output a request receives is one decoding step that emitted tokens for
+    it (the first one is the prefill's token). vLLM's speculative counters only count
+    steps that carried drafts, so this is how steps without any draft (prompt lookup
+    without a match, a request decoded plainly) are counted too."""
+    from vllm.sampling_params import RequestOutputKind
+
+    params = params.clone()
+    params.output_kind = RequestOutputKind.DELTA
+    engine = llm.llm_engine
+    ids = [f"bench-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params)
+    tokens = {request_id: [] for request_id in ids}
+    steps = dict.fromkeys(ids, 0)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            new = output.outputs[0].token_ids
+            if new:
+                tokens[output.request_id] += list(new)
+                steps[output.request_id] += 1
+    return [tokens[i] for i in ids], [steps[i] for i in ids]
+
+
 def run_job(job: dict) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -27,11 +52,11 @@ def run_job(job: dict) -> dict:
         for name, prompts in job["datasets"].items():
             before = counters(llm)
             start = time.perf_counter()
-            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                                   params, use_tqdm=False)
+            tokens, steps = generate_counting_steps(
+                llm, [TokensPrompt(prompt_token_ids=p) for p in prompts], params)
             seconds = time.perf_counter() - start
             out["datasets"][name] = {
-                "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+                "tokens": tokens, "steps": steps,
                 "delta": counter_delta(counters(llm), before), "seconds": seconds}
     out["wall_seconds"] = time.time() - started
     return out

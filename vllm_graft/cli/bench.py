@@ -21,8 +21,9 @@ from vllm_graft.assets.models import MODELS, prepare_model
 from vllm_graft.assets.pypi import default_cache_dir
 
 ALL_METHODS = ["plain", "eagle3", "ngram", "suffix", "dense_tree", "prune_only",
-               "retrieval_only", "graft"]
-ALL_DATASETS = ["humaneval", "mtbench", "gsm8k", "essays-4k", "code-4k", "code-8k", "code-16k"]
+               "retrieval_only", "graft_no_context", "graft", "graft_auto"]
+ALL_DATASETS = ["humaneval", "mtbench", "gsm8k", "code-edit", "essays-4k", "code-4k", "code-8k",
+                "code-16k"]
 COMMITTED_HEADS = Path(__file__).resolve().parents[2] / "assets" / "heads"
 
 
@@ -54,6 +55,11 @@ def main(argv=None) -> int:
                    help="calibration: one draft step's cost relative to a verification")
     p.add_argument("--ablations", action="store_true")
     p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--batch-sizes", type=int, nargs="*", default=[],
+                   help="also run --batch-methods at each of these batch sizes "
+                   "(max_num_seqs), with max(batch, --prompts) prompts per dataset")
+    p.add_argument("--batch-methods", nargs="+", choices=ALL_METHODS,
+                   default=["plain", "ngram", "eagle3", "graft", "graft_auto"])
     p.add_argument("--dtype", default="float32")
     p.add_argument("--quick", action="store_true",
                    help="2 prompts of 3 short datasets, 24 tokens, no calibration")
@@ -105,6 +111,7 @@ def main(argv=None) -> int:
         datasets=args.datasets, prompts=args.prompts, max_tokens=args.max_tokens,
         budget=args.budget, warmup=warmup, calibration=calibration, dtype=args.dtype,
         max_num_seqs=args.max_num_seqs, ablations=args.ablations, drafter=drafter,
+        batch_sizes=args.batch_sizes, batch_methods=args.batch_methods,
         command="vllm-graft bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])))
     results = run_bench(config)
     write_results(results, args.out)

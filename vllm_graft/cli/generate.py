@@ -121,9 +121,11 @@ def summary(result: dict) -> dict:
         out["verified_nodes_per_step"] = round(m.get("spec_decode_num_draft_tokens", 0) / drafts, 1)
         per_pos = m.get("spec_decode_num_accepted_tokens_per_pos") or []
         out["acceptance_by_depth"] = [round(x / drafts, 3) for x in per_pos if x]
-        total = sum(m.get(f"graft_accepted_{s}", 0) for s in ("draft", "retrieved", "both"))
+        total = sum(m.get(f"graft_accepted_{s}", 0)
+                    for s in ("draft", "retrieved", "both", "context"))
         if total:
             out["accepted_share_retrieved"] = round(m.get("graft_accepted_retrieved", 0) / total, 3)
+            out["accepted_share_context"] = round(m.get("graft_accepted_context", 0) / total, 3)
         trees = m.get("graft_trees_built") or 0
         if trees:
             out["draft_forwards_per_tree"] = round(m.get("graft_draft_forwards", 0) / trees, 2)

@@ -15,9 +15,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 DRAFT, RETRIEVED, BOTH, PADDING, TARGET = "draft", "retrieved", "both", "padding", "target"
-#: SOURCE_* flags of vllm_graft.core.hybrid -> label (every other value: target)
-FLAG_LABELS = {1: DRAFT, 2: RETRIEVED, 3: BOTH, 4: PADDING}
-LABELS = (DRAFT, RETRIEVED, BOTH, PADDING, TARGET)
+CONTEXT = "context"
+#: SOURCE_* flags of vllm_graft.core.hybrid -> label (every other value: target); a node
+#: copied from the context is labelled so whatever else proposed it too
+FLAG_LABELS = {1: DRAFT, 2: RETRIEVED, 3: BOTH, 4: PADDING,
+               **{8 | other: CONTEXT for other in (0, 1, 2, 3)}}
+LABELS = (DRAFT, RETRIEVED, BOTH, CONTEXT, PADDING, TARGET)
 
 
 @dataclass

@@ -3,7 +3,8 @@ comparison table, a spinner while engines start, and engine logs kept out of the
 
 Colours need a terminal; piped or redirected, the same view is plain text and each
 answer is followed by a strip with one letter per token (``d`` drafted, ``r``
-retrieved, ``b`` both, ``p`` padding, ``.`` target), so the sources survive copying.
+retrieved, ``b`` both, ``c`` copied from the context, ``p`` padding, ``.`` target), so
+the sources survive copying.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from vllm_graft.cli.sources import BOTH, DRAFT, LABELS, PADDING, RETRIEVED, TARGET
+from vllm_graft.cli.sources import BOTH, CONTEXT, DRAFT, LABELS, PADDING, RETRIEVED, TARGET
 
 STYLES = {DRAFT: "bold cyan", RETRIEVED: "bold magenta", BOTH: "bold green",
-          PADDING: "yellow", TARGET: ""}
-LETTERS = {DRAFT: "d", RETRIEVED: "r", BOTH: "b", PADDING: "p", TARGET: "."}
+          CONTEXT: "bold blue", PADDING: "yellow", TARGET: ""}
+LETTERS = {DRAFT: "d", RETRIEVED: "r", BOTH: "b", CONTEXT: "c", PADDING: "p", TARGET: "."}
 DESCRIPTIONS = {DRAFT: "accepted, drafted by the head", RETRIEVED: "accepted, retrieved "
                 "from the successor matrix", BOTH: "accepted, drafted and retrieved",
+                CONTEXT: "accepted, copied from the prompt or earlier output",
                 PADDING: "accepted padding node", TARGET: "produced by the target itself"}
 
 
@@ -45,7 +47,7 @@ def legend(counts: Counter | None = None) -> Text:
     """One line naming each colour (with counts when given); padding only when seen."""
     text = Text()
     for label in LABELS:
-        if label == PADDING and not (counts and counts[label]):
+        if label in (PADDING, CONTEXT) and not (counts and counts[label]):
             continue
         if text:
             text.append("  ")

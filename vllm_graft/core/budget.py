@@ -30,9 +30,11 @@ from pathlib import Path
 import torch
 
 from vllm_graft.core.acceptance import AcceptanceResult
-from vllm_graft.core.hybrid import HybridTree, trim_tree
+from vllm_graft.core.hybrid import SOURCE_CONTEXT, HybridTree, trim_tree
 
-SOURCE_NAMES = ("draft", "retrieved", "both")
+#: the acceptance model's source classes; a context-copied node is ``context`` whatever
+#: else proposed it
+SOURCE_NAMES = ("draft", "retrieved", "both", "context")
 
 
 # ---- cost ------------------------------------------------------------------------------
@@ -191,8 +193,10 @@ class AcceptanceModel:
         self.trials = torch.full(shape, self.prior_trials, dtype=torch.float64)
 
     def _bucket(self, source: torch.Tensor, depth: torch.Tensor, score: torch.Tensor):
-        """source: 1 drafted, 2 retrieved, 3 both (the hybrid tree's tags)."""
-        s = (source.long().clamp(1, 3) - 1).cpu()
+        """source: the hybrid tree's tags (1 drafted, 2 retrieved, 3 both, context bit)."""
+        source = source.long()
+        s = torch.where((source & SOURCE_CONTEXT) > 0, SOURCE_NAMES.index("context"),
+                        source.clamp(1, 3) - 1).cpu()
         d = (depth.long().clamp(1, self.max_depth) - 1).cpu()
         b = (score.double().clamp(0, 1) * self.score_buckets).long().clamp(
             max=self.score_buckets - 1).cpu()
@@ -269,6 +273,83 @@ def choose_nodes(path_prob: torch.Tensor, valid: torch.Tensor, cost: CostModel,
     keep[:, 0] = True
     return Choice(keep=keep, nodes_per_request=keep[:, 1:].sum(1),
                   expected_tokens=float(expected[best]), step_ms=float(time[best]))
+
+
+# ---- measured throughput ------------------------------------------------------------------
+@dataclass
+class ThroughputGuard:
+    """Speculate only while it is measurably faster than not speculating.
+
+    The cost and acceptance models predict; this measures. Whole decoding steps are
+    timed in both modes, per batch size, as emitted tokens per second (an exponential
+    moving average); the engine runs in the faster mode and re-measures the other one
+    for ``probe_steps`` steps every ``explore_every`` steps, so a change of load,
+    context length or text is noticed. Each batch size starts with ``probe_steps``
+    steps of each mode; batch sizes are bucketed by powers of two. Steps with prefill
+    chunks are not measured (their time is not
+    the decoding cost of either mode).
+
+    The guard's plain mode is nearly plain decoding (no drafting, no tree, no matrix
+    update), except that the drafter still reads each new position once so its cache
+    stays complete for when speculation resumes.
+    """
+
+    probe_steps: int = 4
+    explore_every: int = 64
+    rate: float = 0.25
+    speculative_rate: dict[int, float] = field(default_factory=dict)
+    plain_rate: dict[int, float] = field(default_factory=dict)
+    measured: dict[tuple[int, bool], int] = field(default_factory=dict)
+    steps: int = 0
+    exploring_until: int = -1
+
+    def __post_init__(self):
+        if self.probe_steps < 1 or self.explore_every <= self.probe_steps:
+            raise ValueError(f"ThroughputGuard needs probe_steps >= 1 and explore_every > "
+                             f"probe_steps, got {self.probe_steps}, {self.explore_every}")
+        if not 0.0 < self.rate <= 1.0:
+            raise ValueError(f"ThroughputGuard rate must be in (0, 1], got {self.rate}")
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        """Batch sizes are measured in power-of-two buckets (1, 2, 4, 8, ...)."""
+        return 1 << max(batch - 1, 0).bit_length()
+
+    def preferred(self, batch: int) -> bool | None:
+        """True / False: speculating is / is not the faster mode at ``batch``; None: not
+        yet measured in both modes."""
+        batch = self.bucket(batch)
+        fast, slow = self.speculative_rate.get(batch), self.plain_rate.get(batch)
+        if fast is None or slow is None:
+            return None
+        return fast >= slow
+
+    def speculate(self, batch: int) -> bool:
+        """The mode of the next step at ``batch`` requests."""
+        self.steps += 1
+        batch = self.bucket(batch)
+        for mode in (True, False):  # first measure both modes
+            if self.measured.get((batch, mode), 0) < self.probe_steps:
+                return mode
+        best = self.preferred(batch)
+        if self.steps < self.exploring_until:
+            return not best
+        if self.steps % self.explore_every == 0:
+            self.exploring_until = self.steps + self.probe_steps
+            return not best
+        return best
+
+    def observe(self, speculated: bool, batch: int, tokens: int, seconds: float) -> None:
+        """One decoding step (no prefill): ``tokens`` emitted by ``batch`` requests in
+        ``seconds``, in the given mode."""
+        if seconds <= 0 or batch <= 0:
+            return
+        batch = self.bucket(batch)
+        rates = self.speculative_rate if speculated else self.plain_rate
+        rate = tokens / seconds
+        old = rates.get(batch)
+        rates[batch] = rate if old is None else (1 - self.rate) * old + self.rate * rate
+        self.measured[(batch, speculated)] = self.measured.get((batch, speculated), 0) + 1
 
 
 # ---- per step ---------------------------------------------------------------------------

@@ -11,7 +11,8 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 
 class GraftConfigError(ValueError):
@@ -101,6 +102,43 @@ def default_rank_prior(width: int) -> tuple[float, ...]:
     return tuple(prior)
 
 
+class ContextRetrievalConfig(BaseModel):
+    """The ``graft.context`` section: copy continuations of the current suffix from the
+    request's own prompt and output (prompt lookup as a tree, see
+    :mod:`vllm_graft.core.context`). ``"context": false`` is short for
+    ``{"enabled": false}``.
+
+    The copied nodes enter the tree first, so a tree always holds the prompt-lookup
+    candidates when the context has a match; the budget cut then falls on the
+    lowest-priority retrieved nodes, and with ``budget: "auto"`` every node, copied or
+    not, is kept only while its learned acceptance pays for its verification.
+    ``cross_request`` also matches recent outputs of *other* requests of the same engine
+    (SuffixDecoding-style): it shares text between requests, so it is off by default.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = True
+    max_nodes: int = Field(16, ge=0, le=256, description="copied nodes per tree")
+    max_depth: int = Field(16, ge=1, le=64, description="longest copied continuation")
+    max_matches: int = Field(8, ge=1, le=64, description="earlier occurrences followed")
+    lead_nodes: int = Field(
+        8, ge=0, le=64, description="tokens of the best match's continuation kept before "
+        "any other branch (prompt lookup's chain stays whole)")
+    min_ngram: int = Field(2, ge=1, le=32, description="shortest suffix matched")
+    max_ngram: int = Field(8, ge=1, le=32, description="longest suffix matched")
+    cross_request: bool = False
+    cross_request_tokens: int = Field(
+        65536, ge=1, le=1 << 24, description="recent output tokens the shared index holds")
+
+    @model_validator(mode="after")
+    def _check_ngrams(self) -> ContextRetrievalConfig:
+        if self.max_ngram < self.min_ngram:
+            raise ValueError(f"max_ngram ({self.max_ngram}) must be >= min_ngram "
+                             f"({self.min_ngram})")
+        return self
+
+
 def _expand_auto_budget(data: Any) -> Any:
     """``budget: "auto"`` is the paper's budget as a cap, with per-step sizing on."""
     if isinstance(data, dict) and data.get("budget") == "auto":
@@ -153,6 +191,17 @@ class GraftConfig(BaseModel):
     auto_size: bool = Field(
         False, description="size each step's trees by measured cost and learned acceptance "
         "(budget is the cap); budget: \"auto\" means budget 60 with this on")
+    auto_guard: bool = Field(
+        True, description="with budget \"auto\": decode plainly while plain decoding "
+        "measures faster than speculating (the throughput guard)")
+    context: ContextRetrievalConfig | None = Field(
+        None, description="copy continuations from the request's own context (prompt "
+        "lookup); unset: on for the graft variant, off for the ablations")
+
+    @field_validator("context", mode="before")
+    @classmethod
+    def _context_switch(cls, value: Any) -> Any:
+        return {"enabled": value} if isinstance(value, bool) else value
 
     @model_validator(mode="before")
     @classmethod
@@ -244,6 +293,20 @@ class GraftConfig(BaseModel):
         if len(self.checkpoints) == len(DEFAULT_THRESHOLDS):
             return DEFAULT_THRESHOLDS
         return tuple(DEFAULT_THRESHOLDS[-1] for _ in self.checkpoints)
+
+    @property
+    def context_settings(self) -> ContextRetrievalConfig:
+        """The context section in force (its defaults when unset)."""
+        return self.context if self.context is not None else ContextRetrievalConfig()
+
+    @property
+    def uses_context(self) -> bool:
+        """Whether trees get context-copied nodes: by default for the product variant
+        only, so the ablation variants keep their published meaning (no copying) unless
+        their config has a ``context`` section."""
+        if self.context is None:
+            return self.variant is Variant.GRAFT
+        return self.context.enabled
 
     @property
     def draft_candidates(self) -> int:

@@ -54,8 +54,8 @@ import torch
 from vllm_graft.core.acceptance import AcceptanceResult
 from vllm_graft.core.config import GraftConfig, TreeShape, Variant, resolve_tree_shape
 from vllm_graft.core.draft_tree import DraftTree, DraftTreeBuilder, Drafter
-from vllm_graft.core.hybrid import (SOURCE_DRAFT, SOURCE_PAD, SOURCE_RETRIEVED, HybridTree,
-                                    merge_and_flatten, pad_to_budget)
+from vllm_graft.core.hybrid import (SOURCE_CONTEXT, SOURCE_DRAFT, SOURCE_PAD, SOURCE_RETRIEVED,
+                                    HybridTree, merge_and_flatten, pad_to_budget)
 from vllm_graft.core.successor import SuccessorMatrix
 from vllm_graft.core.templates import RetrievalTemplate, TemplateExpander
 
@@ -71,6 +71,9 @@ class BuildStats:
            how many found a successor (the matrix hit rate)
     confidence: [B, max_depth] best-path confidence after each draft step (NaN = not
            reached; all NaN without a drafter)
+    context_nodes: [B] nodes copied from the request's context (whatever else proposed
+           them too); draft_nodes, retrieved_nodes and both_nodes count nodes of any
+           context tag
     padded_nodes: [B] padding nodes of a fixed-shape tree (0 for dynamic trees)
     replaced_nodes: [B] drafted nodes a fixed-shape tree moved behind retrieval for low
            confidence (some come back as spare candidates if retrieval falls short)
@@ -84,6 +87,7 @@ class BuildStats:
     retrieval_lookups: torch.Tensor
     retrieval_hits: torch.Tensor
     confidence: torch.Tensor
+    context_nodes: torch.Tensor
     padded_nodes: torch.Tensor
     replaced_nodes: torch.Tensor
 
@@ -154,12 +158,19 @@ class GraftTreeBuilder:
         """Rows per request in the verified tree: the root plus ``budget`` slots."""
         return self.config.budget + 1
 
-    def build(self, root_tokens: torch.Tensor,
-              drafter: Drafter | None = None) -> tuple[HybridTree, BuildStats]:
-        """root_tokens: [B] last accepted token of each request."""
+    def build(self, root_tokens: torch.Tensor, drafter: Drafter | None = None,
+              context: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+              ) -> tuple[HybridTree, BuildStats]:
+        """root_tokens: [B] last accepted token of each request. context: nodes copied
+        from each request's own context (:func:`vllm_graft.core.context.proposals_to_tensors`:
+        tokens, parents, depths ``[B, n]``, -1 padded); they come first in the merge, so
+        the budget cut falls on the lowest-priority retrieved nodes."""
         batch = root_tokens.shape[0]
         root_tokens = root_tokens.to(self.device).long()
         parts = []
+        if context is not None:
+            tokens, parents, depths = (part.to(self.device) for part in context)
+            parts.append((tokens, parents, depths, SOURCE_CONTEXT))
         replaced = torch.zeros(batch, dtype=torch.long, device=self.device)
         if self.drafter_tree is not None:
             if drafter is None:
@@ -217,6 +228,7 @@ class GraftTreeBuilder:
                lookups: torch.Tensor, hits: torch.Tensor,
                confidence: torch.Tensor, replaced: torch.Tensor) -> BuildStats:
         source = tree.source
+        plain = source & (0xFF ^ SOURCE_CONTEXT)  # the tags besides context
         valid = tree.valid
         return BuildStats(
             stage=stage,
@@ -225,8 +237,9 @@ class GraftTreeBuilder:
             retrieval_hits=hits,
             confidence=confidence,
             draft_nodes=(valid & (source & SOURCE_DRAFT).bool()).sum(1),
-            retrieved_nodes=(valid & (source == SOURCE_RETRIEVED)).sum(1),
-            both_nodes=(valid & (source == (SOURCE_DRAFT | SOURCE_RETRIEVED))).sum(1),
+            retrieved_nodes=(valid & (plain == SOURCE_RETRIEVED)).sum(1),
+            both_nodes=(valid & (plain == (SOURCE_DRAFT | SOURCE_RETRIEVED))).sum(1),
+            context_nodes=(valid & (source & SOURCE_CONTEXT).bool()).sum(1),
             padded_nodes=(valid & (source == SOURCE_PAD)).sum(1),
             replaced_nodes=replaced,
         )
@@ -250,11 +263,16 @@ def learnable_tokens(tree: HybridTree) -> torch.Tensor:
 
 
 def accepted_by_source(tree: HybridTree, result: AcceptanceResult) -> dict[str, int]:
-    """How many accepted drafts came from the drafter, retrieval, or both."""
+    """How many accepted drafts came from the drafter, retrieval, both, the context or
+    padding: one class per node, a context-copied node counting as ``context`` whatever
+    else proposed it too."""
     rows = result.accepted_rows
     hit = rows >= 0
     source = tree.source.gather(1, rows.clamp(min=0))[hit]
+    copied = (source & SOURCE_CONTEXT).bool()
+    source = torch.where(copied, SOURCE_CONTEXT, source)
     return {
+        "context": int(copied.sum()),
         "draft": int((source == SOURCE_DRAFT).sum()),
         "retrieved": int((source == SOURCE_RETRIEVED).sum()),
         "both": int((source == (SOURCE_DRAFT | SOURCE_RETRIEVED)).sum()),

@@ -1,7 +1,8 @@
 """Trie-merge drafted and retrieved subtrees and flatten the result for verification.
 
-Both subtrees hang from the same root (the last accepted token). Candidates are laid
-out in priority order: root, draft nodes (best score first), retrieved nodes (template
+All subtrees hang from the same root (the last accepted token). Candidates are laid
+out in priority order: root, then each part in the caller's order (in a Graft tree:
+context-copied nodes, draft nodes best score first, retrieved nodes in template
 order). A candidate is a duplicate of an earlier one when both have the same token
 under the same (canonical) parent; duplicates merge into the earliest copy, so
 siblings are distinct tokens and a retrieved token that equals a drafted sibling adds
@@ -25,6 +26,9 @@ SOURCE_BOTH = SOURCE_DRAFT | SOURCE_RETRIEVED
 #: Padding of a fixed-shape tree (:func:`pad_to_budget`): a valid node no drafter or
 #: retrieval proposed; the successor matrix does not learn from it.
 SOURCE_PAD = 4
+#: Copied from the request's own context (prompt lookup, :mod:`vllm_graft.core.context`);
+#: combines with the other bits when sources propose the same node.
+SOURCE_CONTEXT = 8
 
 
 @dataclass
@@ -112,7 +116,7 @@ def merge_and_flatten(root_tokens: torch.Tensor,
 
     # source tags: a kept node carries the flags of everything merged into it
     merged_flags = torch.zeros((batch, n), dtype=torch.uint8, device=device)
-    for flag in (SOURCE_DRAFT, SOURCE_RETRIEVED):
+    for flag in (SOURCE_DRAFT, SOURCE_RETRIEVED, SOURCE_CONTEXT):
         has = (valid & (flags == flag)).to(torch.uint8)
         hit = torch.zeros_like(merged_flags).scatter_reduce(1, canon, has, "amax")
         merged_flags |= hit * flag

@@ -35,13 +35,20 @@ GRAFT_COUNTERS = {
     "retrieval_lookups": "Successor-matrix lookups made for retrieval.",
     "retrieval_hits": "Lookups that found a successor (matrix hit rate = hits / lookups).",
     "accepted_draft": "Accepted tokens proposed by the drafter only.",
-    "accepted_retrieved": "Accepted tokens proposed by retrieval only.",
-    "accepted_both": "Accepted tokens proposed by both.",
+    "accepted_retrieved": "Accepted tokens proposed by the successor matrix only.",
+    "accepted_both": "Accepted tokens proposed by the drafter and the matrix.",
     "accepted_padding": "Accepted padding nodes of fixed-shape trees.",
+    "context_nodes": "Tree nodes copied from the request's own context (prompt lookup), "
+                     "whatever else proposed them too.",
+    "accepted_context": "Accepted tokens copied from the context (counted here only, "
+                        "not under draft, retrieved or both).",
     "padded_nodes": "Padding nodes that filled fixed-shape trees up to the budget.",
     "auto_chosen_nodes": "Tree nodes budget \"auto\" chose to verify (the root excluded).",
     "auto_predicted_accepted_milli": "Accepted tokens budget \"auto\" predicted, in "
                                      "thousandths (compare with the accepted_* counters).",
+    "guard_speculative_steps": "Steps budget \"auto\"'s throughput guard ran speculatively.",
+    "guard_plain_steps": "Steps the throughput guard decoded plainly (speculation measured "
+                         "slower, or being re-measured).",
     "replaced_nodes": "Low-confidence drafted nodes that fixed-shape trees replaced "
                       "with retrieved ones.",
     "bookkeeping_us": "Microseconds of Graft's own work outside model forwards.",

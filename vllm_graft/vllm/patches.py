@@ -223,17 +223,19 @@ def _patch_runner() -> list[Patch]:
                 kv_reader(impl, layer, kv_cache)  # refuses a layout it cannot read
                 tree_attention_patch(type(impl)).apply()
             if self.drafter.auto_size:
-                from vllm_graft.core.budget import TreeSizer
+                from vllm_graft.core.budget import ThroughputGuard, TreeSizer
                 from vllm_graft.vllm.cost_profile import load_or_measure
 
                 self.drafter.sizer = TreeSizer(load_or_measure(self))
+                if self.drafter.settings.config.auto_guard:
+                    self.drafter.guard = ThroughputGuard()
         return out
 
     def _update_states(self, scheduler_output, *args, **kwargs):
         if on(self):
-            gone = set(scheduler_output.finished_req_ids)
-            gone |= set(scheduler_output.preempted_req_ids or ())
-            self.drafter.forget(gone)
+            finished = set(scheduler_output.finished_req_ids)
+            self.drafter.forget(finished | set(scheduler_output.preempted_req_ids or ()),
+                                finished=finished)
         return call_original(cls, "_update_states")(self, scheduler_output, *args, **kwargs)
 
     def _prepare_inputs(self, scheduler_output, *args, **kwargs):

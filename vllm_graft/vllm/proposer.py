@@ -36,8 +36,10 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.spec_decode.eagle import EagleProposer
 
-from vllm_graft.core.budget import Choice, TreeSizer
+from vllm_graft.core.budget import Choice, ThroughputGuard, TreeSizer
 from vllm_graft.core.config import TreeShape
+from vllm_graft.core.context import (ContextIndex, ContextProposal, RecentOutputsIndex,
+                                     proposals_to_tensors)
 from vllm_graft.core.draft_tree import DraftStep
 from vllm_graft.core.graft import BuildStats, GraftTreeBuilder
 from vllm_graft.core.hybrid import ancestor_ids
@@ -68,6 +70,37 @@ class PendingTree:
     def truncated(self, rows: int) -> PendingTree:
         return PendingTree(self.tokens[:rows], self.parents[:rows], self.depths[:rows],
                            self.source[:rows], self.stage, self.confidence)
+
+
+@dataclass
+class DeferredRows:
+    """Drafter inputs of positions settled while the throughput guard decoded plainly,
+    kept until the next speculative step feeds them to the drafter in one forward.
+    Positions are contiguous and increasing (the catch-up attends causally)."""
+
+    tokens: list[int]
+    positions: list[int]
+    hidden: torch.Tensor | None  # [n, H] the drafter's hidden input (EAGLE)
+
+    def append(self, tokens: list[int], positions: list[int], hidden: torch.Tensor | None,
+               limit: int) -> None:
+        """Add one step's rows; a position fed again replaces the earlier copy, a gap
+        drops what came before it, and only the last ``limit`` positions stay."""
+        start = positions[0]
+        keep = 0
+        while keep < len(self.positions) and self.positions[keep] < start:
+            keep += 1
+        if keep and self.positions[keep - 1] != start - 1:
+            keep = 0  # not contiguous: start again from here
+        drop = max(keep + len(positions) - limit, 0)
+        self.tokens = self.tokens[drop:keep] + tokens
+        self.positions = self.positions[drop:keep] + positions
+        if hidden is not None:
+            self.hidden = hidden if self.hidden is None or keep <= drop else torch.cat(
+                [self.hidden[drop:keep], hidden])
+        self.tokens, self.positions = self.tokens[-limit:], self.positions[-limit:]
+        if self.hidden is not None:
+            self.hidden = self.hidden[-limit:]
 
 
 @dataclass
@@ -121,10 +154,27 @@ class GraftTreeDrafting:
                            "hold budget nodes")
         self.sizer: TreeSizer | None = None
         self.last_choice: Choice | None = None
+        # budget "auto": speculate only while measurably faster (set with the sizer);
+        # ``speculating`` is the guard's mode for the step being scheduled
+        self.guard: ThroughputGuard | None = None
+        self.speculating = True
         # requests whose last tree was cut to nothing: steps since, while they skip drafting
         self.plain_steps: dict[str, int] = {}
         self.max_model_len = vllm_config.model_config.max_model_len
         self.forward_timer = SpanTimer(device)  # head forwards (for the overhead metrics)
+        # drafter inputs deferred while the throughput guard decodes plainly
+        self.deferred: dict[str, DeferredRows] = {}
+        # context retrieval: one index per request over its prompt and output, and,
+        # when configured, one over recent outputs of finished requests
+        self.uses_context = config.uses_context and config.context_settings.max_nodes > 0
+        self.context_indexes: dict[str, ContextIndex] = {}
+        self.prompt_lengths: dict[str, int] = {}
+        self.shared_context = None
+        if self.uses_context and config.context_settings.cross_request:
+            context = config.context_settings
+            self.shared_context = RecentOutputsIndex(
+                max_tokens=context.cross_request_tokens, min_ngram=context.min_ngram,
+                max_ngram=context.max_ngram)
 
     @property
     def matrix(self) -> SuccessorMatrix:
@@ -141,10 +191,17 @@ class GraftTreeDrafting:
         finally:
             self.num_speculative_tokens = saved
 
-    def forget(self, req_ids) -> None:
+    def forget(self, req_ids, finished=()) -> None:
+        """Drop the state of requests that left the batch; the outputs of ``finished``
+        ones feed the cross-request context index when it is on."""
         for req_id in req_ids:
             self.pending.pop(req_id, None)
             self.plain_steps.pop(req_id, None)
+            self.deferred.pop(req_id, None)
+            index = self.context_indexes.pop(req_id, None)
+            prompt_len = self.prompt_lengths.pop(req_id, 0)
+            if index is not None and self.shared_context is not None and req_id in finished:
+                self.shared_context.add(list(index.tokens[prompt_len:]))
 
     # ---- one drafting round -----------------------------------------------------------
     @torch.inference_mode()
@@ -157,7 +214,10 @@ class GraftTreeDrafting:
         if not settled:
             return drafts
         uses_drafter = self.settings.config.variant.drafts  # retrieval_only does not
-        catchup = self._catch_up(runner, settled, aux_hidden_states) if uses_drafter else None
+        catchup = None
+        if uses_drafter:
+            catchup = self._catch_up(runner, settled, aux_hidden_states,
+                                     defer=not self.speculating)
         drafting = [i for i, s in enumerate(settled) if s.drafts]
         if not drafting:
             return drafts
@@ -176,7 +236,13 @@ class GraftTreeDrafting:
                 root_positions=root_positions,
                 block_tables=self._kv_layout(runner).kernel_block_table(
                     self._block_table(runner)[batch_rows.to(self.device)]))
-        tree, stats = self.tree_builder.build(roots.to(self.device), expander)
+        context = None
+        if self.uses_context:
+            proposals = [self._context_proposal(runner, settled[i]) for i in drafting]
+            tokens, parents, depths, _ = proposals_to_tensors(
+                proposals, self.settings.config.context_settings.max_nodes, self.device)
+            context = (tokens, parents, depths)
+        tree, stats = self.tree_builder.build(roots.to(self.device), expander, context)
         self.last_build = stats
         self.last_choice = None
         if self.sizer is not None:
@@ -205,8 +271,11 @@ class GraftTreeDrafting:
     def may_draft(self, req_state, root_position: int) -> bool:
         """A tree needs its rows (and the drafter's) to fit in the context, a request
         whose options depend on earlier tokens is decoded plainly, and so, for a while,
-        is a request whose last tree budget "auto" found not worth verifying."""
+        is a request whose last tree budget "auto" found not worth verifying, and every
+        request while the throughput guard measures plain decoding faster."""
         config = self.settings.config
+        if not self.speculating:
+            return False
         if root_position + max(config.budget, config.max_depth) + 1 > self.max_model_len:
             return False
         plain = self.plain_steps.get(req_state.req_id)
@@ -216,6 +285,28 @@ class GraftTreeDrafting:
         return plain_decoding_reason(req_state.sampling_params,
                                      len(req_state.output_token_ids)) is None
 
+    def _context_proposal(self, runner, settled: SettledRows) -> ContextProposal:
+        """Continuations of the request's current suffix copied from its own prompt and
+        output (and recent outputs of others, when configured). The index grows by the
+        positions settled since the last call: everything up to this step's first
+        position is final in the runner's token table, the rest is ``next_tokens``."""
+        req_id = runner.input_batch.req_ids[settled.batch_row]
+        index = self.context_indexes.get(req_id)
+        first = settled.first_position
+        if index is None or len(index) > first + 1:  # new, or its history was rewound
+            config = self.settings.config.context_settings
+            index = ContextIndex(min_ngram=config.min_ngram, max_ngram=config.max_ngram)
+            self.context_indexes[req_id] = index
+            self.prompt_lengths[req_id] = runner.requests[req_id].num_prompt_tokens
+        if len(index) <= first:
+            index.extend(runner.input_batch.token_ids_cpu[settled.batch_row,
+                                                          len(index):first + 1].tolist())
+        index.extend(settled.next_tokens)
+        config = self.settings.config.context_settings
+        return index.propose(max_nodes=config.max_nodes, max_depth=config.max_depth,
+                             max_matches=config.max_matches, shared=self.shared_context,
+                             lead_nodes=config.lead_nodes)
+
     @staticmethod
     def _kv_layout(runner):
         return runner._graft_kv_layout
@@ -224,11 +315,56 @@ class GraftTreeDrafting:
         """Manager block ids of the persistent batch (the target's and drafter's group)."""
         return self._kv_layout(runner).block_table(runner)
 
+    #: positions per request whose drafter inputs wait while the guard decodes plainly;
+    #: older ones are dropped (the drafter's cache keeps stale entries there, which can
+    #: only cost acceptance, never correctness)
+    MAX_DEFERRED = 64
+
     def _catch_up(self, runner, settled: list[SettledRows],
-                  aux_hidden_states: list[torch.Tensor]):
+                  aux_hidden_states: list[torch.Tensor], defer: bool = False):
         """Causal drafter forward over every settled position; returns (last row of each
-        request in the catch-up batch, hidden for logits, hidden for the next step)."""
+        request in the catch-up batch, hidden for logits, hidden for the next step).
+
+        ``defer`` (the throughput guard's plain mode, where nothing is drafted): decode
+        rows are not fed now but kept, and fed before the request's rows of the next
+        speculative step, in the same forward; prefill chunks are fed at once. Returns
+        None then."""
         per_request = [self._catch_up_inputs(s) for s in settled]
+        hidden_rows = None
+        if self.USES_HIDDEN:
+            rows = torch.tensor([r for s in settled for r in s.rows], dtype=torch.long,
+                                device=self.device)
+            target_hidden = torch.cat([h[rows] for h in aux_hidden_states], dim=-1) \
+                if self.eagle3_use_aux_hidden_state else aux_hidden_states[-1][rows]
+            hidden_rows = self.model.combine_hidden_states(target_hidden).split(
+                [len(s.rows) for s in settled])
+        inputs = [(tokens, positions, None if hidden_rows is None else hidden_rows[i])
+                  for i, (tokens, positions) in enumerate(per_request)]
+        req_ids = runner.input_batch.req_ids
+        if defer:
+            now = []
+            for s, (tokens, positions, hidden) in zip(settled, inputs):
+                if len(s.rows) == 1:  # a decode step: wait for the next speculative one
+                    entry = self.deferred.setdefault(req_ids[s.batch_row],
+                                                     DeferredRows([], [], None))
+                    entry.append(tokens, positions, hidden, self.MAX_DEFERRED)
+                else:
+                    now.append((s, (tokens, positions, hidden)))
+            if now:
+                self._feed(runner, [s for s, _ in now], [i for _, i in now])
+            return None
+        merged = []
+        for s, (tokens, positions, hidden) in zip(settled, inputs):
+            entry = self.deferred.pop(req_ids[s.batch_row], None)
+            if entry is not None:
+                entry.append(tokens, positions, hidden, self.MAX_DEFERRED + len(positions))
+                tokens, positions, hidden = entry.tokens, entry.positions, entry.hidden
+            merged.append((tokens, positions, hidden))
+        return self._feed(runner, settled, merged)
+
+    def _feed(self, runner, settled: list[SettledRows], inputs: list[tuple]):
+        """One drafter forward over each request's (tokens, positions, hidden) rows."""
+        per_request = [(tokens, positions) for tokens, positions, _ in inputs]
         counts = np.array([len(tokens) for tokens, _ in per_request], dtype=np.int32)
         input_ids = torch.tensor([t for tokens, _ in per_request for t in tokens],
                                  dtype=torch.int32, device=self.device)
@@ -236,11 +372,7 @@ class GraftTreeDrafting:
                                  dtype=torch.long, device=self.device)
         hidden = None
         if self.USES_HIDDEN:
-            rows = torch.tensor([r for s in settled for r in s.rows], dtype=torch.long,
-                                device=self.device)
-            target_hidden = torch.cat([h[rows] for h in aux_hidden_states], dim=-1) \
-                if self.eagle3_use_aux_hidden_state else aux_hidden_states[-1][rows]
-            hidden = self.model.combine_hidden_states(target_hidden)
+            hidden = torch.cat([h for _, _, h in inputs])
 
         batch_rows = torch.tensor([s.batch_row for s in settled], dtype=torch.long)
         block_table = self._block_table(runner)[batch_rows.to(self.device)]

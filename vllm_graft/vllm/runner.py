@@ -6,7 +6,10 @@ a runner step:
 * after ``_prepare_inputs``: :func:`prepare_tree_verification` recognises the requests
   whose scheduled drafts are the tree Graft proposed last step, gives each tree row the
   position ``prefix + depth`` (after vLLM computed slots from the linear positions, so
-  every row keeps its own KV slot), and builds the tree attention plan;
+  every row keeps its own KV slot), and builds the tree attention plan. A tree that is
+  a chain (every node the child of the row before it, as a trimmed tree of copied
+  context often is) needs no plan: the backend's own causal attention is its tree
+  attention, and its accepted rows already sit in their final slots;
 * around the target forward (the ``_model_forward`` patch): the plan is active;
 * instead of the rejection sampler: :func:`sample_with_trees` runs lossless tree
   acceptance, moves the accepted rows' KV into contiguous slots in every layer, and
@@ -20,6 +23,7 @@ the scheduler rolls back exactly the rejected rows.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -105,10 +109,13 @@ def _prepare_tree_verification(runner, scheduler_output) -> GraftStep:
     if not trees:
         return GraftStep(trees=[], plan=None)
 
+    branching = [t for t in trees if not is_chain(t.tree.parents)]
+    if not branching:
+        return GraftStep(trees=trees, plan=None)
     layout = runner._graft_kv_layout
     block_table = layout.kernel_block_table(layout.block_table(runner))
     requests = []
-    for t in trees:
+    for t in branching:
         n = t.tree.tokens.numel()
         rows = torch.arange(t.query_start, t.query_start + n, device=runner.positions.device)
         runner.positions[rows] = t.prefix_len + t.tree.depths.to(runner.positions.device)
@@ -118,6 +125,12 @@ def _prepare_tree_verification(runner, scheduler_output) -> GraftStep:
             query_start=t.query_start, num_rows=n, prefix_len=t.prefix_len,
             block_table=block_table[t.batch_row], mask=mask.to(runner.device)))
     return GraftStep(trees=trees, plan=TreeAttentionPlan(requests=requests))
+
+
+def is_chain(parents: torch.Tensor) -> bool:
+    """Whether a flattened tree (host tensor, root first) is a chain: row ``i``'s parent
+    is row ``i - 1`` for every node."""
+    return bool(torch.equal(parents[1:], torch.arange(parents.numel() - 1)))
 
 
 def _batch_trees(trees: list[VerifiedTree], batch: int) -> HybridTree:
@@ -218,7 +231,8 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
             for t in trees:
                 count = int(host.num_accepted[t.batch_row])
                 observer(t, host.accepted_rows[t.batch_row, :count].tolist())
-    _learn(runner, logits, spec_decode_metadata, starts, trees)
+    if runner.drafter.speculating:  # the guard's plain mode skips the matrix update
+        _learn(runner, logits, spec_decode_metadata, starts, trees)
     logprobs = None
     if level_logprobs[0] is not None:
         logprobs = _stack_levels(level_logprobs, output.shape[1])
@@ -276,7 +290,7 @@ def _move_accepted_kv(runner, step: GraftStep, result: AcceptanceResult) -> None
     requests, sources, destinations = [], [], []
     for verified in step.trees:
         count = int(result.num_accepted[verified.batch_row])
-        if count:
+        if count and not is_chain(verified.tree.parents):  # a chain's rows are in place
             requests.append(torch.full((count,), verified.batch_row))
             sources.append(verified.prefix_len + result.accepted_rows[verified.batch_row, :count])
             destinations.append(verified.prefix_len + torch.arange(1, count + 1))
@@ -341,7 +355,14 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
     runner._graft_step = None
     start = device_clock(runner.device)
     proposer.forward_timer.take_seconds()  # spans of earlier steps (e.g. dummy runs)
+    was_speculating = proposer.speculating
+    if proposer.guard is not None:
+        proposer.speculating = proposer.guard.speculate(len(scheduler_output.num_scheduled_tokens))
+        runner._graft_stats.counts[
+            "guard_speculative_steps" if proposer.speculating else "guard_plain_steps"] += 1
     settled = settled_rows(runner, scheduler_output, sampled_token_ids, step)
+    if proposer.guard is not None:
+        _observe_throughput(runner, scheduler_output, settled, was_speculating)
     drafts = proposer.propose_trees(runner, scheduler_output, settled, aux_hidden_states)
     build = proposer.last_build
     stats: GraftStats = runner._graft_stats
@@ -362,11 +383,27 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
     return drafts
 
 
+def _observe_throughput(runner, scheduler_output, settled: list[SettledRows],
+                        speculated: bool) -> None:
+    """Time this engine step (from the last step's drafting to this one's) and count its
+    emitted tokens, for the throughput guard; steps with prefill chunks are skipped."""
+    now = time.perf_counter()
+    last, runner._graft_step_clock = getattr(runner, "_graft_step_clock", None), now
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    prefill = any(count - len(spec.get(req_id, ())) > 1
+                  for req_id, count in scheduler_output.num_scheduled_tokens.items())
+    if last is None or prefill or not settled:
+        return
+    tokens = sum(len(s.next_tokens) for s in settled)
+    runner.drafter.guard.observe(speculated, len(settled), tokens, now - last)
+
+
 #: BuildStats fields summed into the counter of the same meaning
 _BUILD_TOTALS = {"draft_forwards": "draft_steps", "draft_nodes": "draft_nodes",
                  "retrieved_nodes": "retrieved_nodes", "merged_nodes": "both_nodes",
                  "retrieval_lookups": "retrieval_lookups", "retrieval_hits": "retrieval_hits",
-                 "padded_nodes": "padded_nodes", "replaced_nodes": "replaced_nodes"}
+                 "padded_nodes": "padded_nodes", "replaced_nodes": "replaced_nodes",
+                 "context_nodes": "context_nodes"}
 
 
 def _count_build(stats: GraftStats, build, checkpoints) -> None:

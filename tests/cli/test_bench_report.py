@@ -1,0 +1,53 @@
+"""The benchmark report's goal checks and batch table, on a synthetic results file (no
+engine): each check must be able to say "no"."""
+
+from __future__ import annotations
+
+from vllm_graft.bench.report import batch_section, goal_checks, markdown, method_means
+
+
+def row(method, dataset, mat, per_step, tps=10.0, batch=None):
+    out = {"method": method, "dataset": dataset, "mat": mat, "tokens_per_step": per_step,
+           "tokens_per_s": tps, "generated_tokens": 64, "seconds": 64 / tps,
+           "verified_tokens_per_step": 1.0, "prompts": 4}
+    if batch is not None:
+        out["batch"] = batch
+    return out
+
+
+def results(rows, batch_rows=()):
+    return {"config": {"target": "t", "head": "h", "budget": 60, "max_tokens": 64,
+                       "dtype": "float32", "max_num_seqs": 4},
+            "machine": {"cpu": "cpu", "cores": 2, "torch": "x"},
+            "rows": list(rows), "batch_rows": list(batch_rows),
+            "greedy_agreement_with_plain": {}}
+
+
+def checks_of(data) -> dict[str, bool | None]:
+    means = method_means(data)
+    return {text: ok for text, _, ok in goal_checks(means, data["rows"])}
+
+
+def test_ngram_goals_use_both_measures_and_can_fail():
+    rows = [row("ngram", "a", 3.0, 1.5), row("graft", "a", 2.9, 2.5),
+            row("ngram", "b", 2.0, 1.1), row("graft", "b", 3.0, 2.0),
+            row("graft_no_context", "gsm8k", 2.0, 2.0), row("graft", "gsm8k", 1.9, 1.9)]
+    checks = checks_of(results(rows))
+    mat = "MAT (vLLM's counters: steps with drafts)"
+    per_step = "tokens per step (all decoding steps)"
+    assert checks[f"{mat} graft / ngram, lowest dataset"] is False  # 2.9 < 3.0 on a
+    assert checks[f"{per_step} graft / ngram, lowest dataset"] is True
+    assert checks[f"{per_step} graft / ngram, mean"] is True
+    assert checks["MAT graft / graft_no_context on gsm8k"] is False
+
+
+def test_batch_table_reports_speed_against_plain_at_each_batch():
+    batch_rows = [row("plain", "a", 1.0, 1.0, tps=30.0, batch=1),
+                  row("graft_auto", "a", 2.0, 2.0, tps=36.0, batch=1),
+                  row("plain", "a", 1.0, 1.0, tps=100.0, batch=8),
+                  row("graft_auto", "a", 1.5, 1.5, tps=90.0, batch=8)]
+    lines = "\n".join(batch_section(results([], batch_rows)))
+    assert "| graft_auto | 36.0 (1.20x) | 90.0 (0.90x) |" in lines
+    assert "slowest against plain at batch 8 on a (0.90x" in lines
+    assert "batch 1 over all datasets: 1.20x" in lines
+    assert "## Batch sizes" in markdown(results([row("plain", "a", 1.0, 1.0)], batch_rows))

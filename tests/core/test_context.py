@@ -1,0 +1,423 @@
+import random
+
+import pytest
+import torch
+
+from vllm_graft.core.context import (DEPTH_DECAY, SHARED_DISCOUNT, ContextIndex,
+                                     ContextProposal, RecentOutputsIndex,
+                                     proposals_to_tensors)
+
+
+def _index(tokens, **kwargs) -> ContextIndex:
+    index = ContextIndex(**kwargs)
+    index.extend(tokens)
+    return index
+
+
+def _paths(proposal: ContextProposal) -> list[tuple[int, ...]]:
+    """Each node as its token path from the root."""
+    paths: list[tuple[int, ...]] = []
+    for token, parent in zip(proposal.tokens, proposal.parents):
+        paths.append((paths[parent] if parent >= 0 else ()) + (token,))
+    return paths
+
+
+def _check_tree(proposal: ContextProposal) -> None:
+    n = len(proposal.tokens)
+    assert len(proposal.parents) == len(proposal.depths) == len(proposal.weights) == n
+    siblings = set()
+    for i, (token, parent, depth, weight) in enumerate(
+            zip(proposal.tokens, proposal.parents, proposal.depths, proposal.weights)):
+        assert -1 <= parent < i  # parents first, hence prefix-closed
+        assert depth == (1 if parent < 0 else proposal.depths[parent] + 1)
+        assert 0.0 < weight <= 1.0
+        if parent >= 0:
+            assert weight <= proposal.weights[parent]
+        assert (parent, token) not in siblings  # siblings are distinct tokens
+        siblings.add((parent, token))
+    assert (n == 0) == (proposal.match_length == 0)
+
+
+def _reference_proposal(context, min_ngram, max_ngram, max_nodes, max_depth, max_matches,
+                        depth_decay=DEPTH_DECAY) -> ContextProposal:
+    """Brute force: scan the whole context for the suffix, weigh every token path."""
+    length = len(context)
+    matches, taken = [], set()
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        for end in range(length - 2, n - 2, -1):
+            if end not in taken and context[end - n + 1:end + 1] == context[length - n:]:
+                taken.add(end)
+                matches.append((n, tuple(context[end + 1:end + 1 + max_depth])))
+    matches = matches[:max_matches]
+    if not matches or max_nodes == 0 or max_depth == 0:
+        return ContextProposal.empty()
+    total = sum(n for n, _ in matches)
+    mass: dict[tuple[int, ...], float] = {}  # insertion-ordered: first appearance
+    for n, continuation in matches:
+        for d in range(1, len(continuation) + 1):
+            mass[continuation[:d]] = mass.get(continuation[:d], 0) + n
+    order = list(mass)
+    weight = {p: mass[p] / total * depth_decay ** (len(p) - 1) for p in order}
+    kept = sorted(order, key=lambda p: (-weight[p], len(p), order.index(p)))[:max_nodes]
+    row = {p: i for i, p in enumerate(kept)}
+    return ContextProposal(tokens=[p[-1] for p in kept],
+                           parents=[row[p[:-1]] if len(p) > 1 else -1 for p in kept],
+                           depths=[len(p) for p in kept],
+                           weights=[weight[p] for p in kept],
+                           match_length=max(n for n, _ in matches))
+
+
+def _random_context(rng: random.Random, length: int, vocab: int) -> list[int]:
+    """Random tokens with copied spans, so that suffixes recur."""
+    tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 4))]
+    while len(tokens) < length:
+        if rng.random() < 0.5 and len(tokens) > 2:
+            start = rng.randrange(len(tokens) - 1)
+            tokens.extend(tokens[start:start + rng.randint(2, 8)])
+        else:
+            tokens.extend(rng.randrange(vocab) for _ in range(rng.randint(1, 3)))
+    return tokens[:length]
+
+
+# ---- exact proposals --------------------------------------------------------------------
+
+
+def test_single_match_proposes_what_followed():
+    proposal = _index([1, 2, 3, 4, 1, 2, 3]).propose(max_nodes=16, max_depth=16, max_matches=8)
+    assert proposal.tokens == [4, 1, 2, 3]
+    assert proposal.parents == [-1, 0, 1, 2]
+    assert proposal.depths == [1, 2, 3, 4]
+    assert proposal.weights == pytest.approx([1.0, DEPTH_DECAY, DEPTH_DECAY**2, DEPTH_DECAY**3])
+    assert proposal.match_length == 3  # (1, 2, 3); (2, 3) at the same end is not recounted
+
+
+def test_continuation_is_cut_at_max_depth():
+    proposal = _index([1, 2, 3, 4, 5, 6, 1, 2]).propose(max_nodes=16, max_depth=2,
+                                                         max_matches=8)
+    assert proposal.tokens == [3, 4] and proposal.parents == [-1, 0]
+
+
+def test_repeated_pattern_merges_into_one_chain():
+    # every occurrence of (1, 2) is followed by 3, 1, 2, ...: all matches agree
+    proposal = _index([1, 2, 3] * 4 + [1, 2]).propose(max_nodes=16, max_depth=3,
+                                                      max_matches=8)
+    assert proposal.tokens == [3, 1, 2]
+    assert proposal.parents == [-1, 0, 1]
+    assert proposal.weights[0] == 1.0
+    assert proposal.match_length == 8
+
+
+def test_diverging_matches_branch_with_distinct_siblings():
+    # (1, 2) was followed by 7 twice and by 9 once
+    context = [5, 1, 2, 7, 1, 2, 7, 8, 1, 2, 9, 1, 2]
+    proposal = _index(context).propose(max_nodes=16, max_depth=2, max_matches=8,
+                                       depth_decay=1.0)
+    _check_tree(proposal)
+    paths = dict(zip(_paths(proposal), proposal.weights))
+    assert paths == pytest.approx({(7,): 2 / 3, (9,): 1 / 3, (7, 8): 1 / 3, (7, 1): 1 / 3,
+                                   (9, 1): 1 / 3})
+    assert proposal.tokens[:2] == [7, 9]  # the more frequent continuation ranks first
+    # the tie at weight 1/3: shallower first, then the more recent match
+    assert _paths(proposal)[2:] == [(9, 1), (7, 8), (7, 1)]
+
+
+def test_longer_match_weighs_more():
+    # suffix (3, 1, 2): a 3-gram match followed by 4, a 2-gram-only match followed by 6
+    context = [3, 1, 2, 4, 0, 1, 2, 6, 0, 3, 1, 2]
+    proposal = _index(context).propose(max_nodes=16, max_depth=1, max_matches=8)
+    assert proposal.tokens == [4, 6]
+    assert proposal.weights == pytest.approx([3 / 5, 2 / 5])
+    assert proposal.match_length == 3
+
+
+def test_longer_match_beats_more_recent_when_matches_run_out():
+    context = [3, 1, 2, 4, 0, 1, 2, 6, 0, 3, 1, 2]
+    proposal = _index(context).propose(max_nodes=16, max_depth=1, max_matches=1)
+    assert proposal.tokens == [4] and proposal.weights == [1.0]
+
+
+def test_most_recent_match_first_within_a_length():
+    context = [1, 2, 5, 1, 2, 6, 1, 2, 7, 1, 2]
+    proposal = _index(context).propose(max_nodes=16, max_depth=1, max_matches=2)
+    assert proposal.tokens == [7, 6]
+
+
+def test_no_match_is_empty():
+    for context in ([], [1], [1, 2], [1, 2, 3, 4, 5], [1, 2, 1, 3]):
+        proposal = _index(context).propose(max_nodes=16, max_depth=16, max_matches=8)
+        assert proposal == ContextProposal.empty()
+        assert proposal.match_length == 0 and len(proposal) == 0
+
+
+def test_min_ngram_one_matches_single_tokens():
+    proposal = _index([4, 9, 1, 4], min_ngram=1).propose(max_nodes=4, max_depth=2,
+                                                          max_matches=4)
+    assert proposal.tokens == [9, 1] and proposal.match_length == 1
+
+
+def test_zero_limits_give_empty():
+    index = _index([1, 2, 3, 1, 2])
+    assert index.propose(0, 16, 8) == ContextProposal.empty()
+    assert index.propose(16, 0, 8) == ContextProposal.empty()
+    assert index.propose(16, 16, 0) == ContextProposal.empty()
+
+
+def test_max_nodes_keeps_the_heaviest_prefix_closed_nodes():
+    context = [5, 1, 2, 7, 1, 2, 7, 8, 1, 2, 9, 1, 2]
+    full = _index(context).propose(max_nodes=64, max_depth=4, max_matches=8)
+    for max_nodes in range(len(full.tokens) + 1):
+        cut = _index(context).propose(max_nodes=max_nodes, max_depth=4, max_matches=8)
+        assert cut.tokens == full.tokens[:max_nodes]
+        assert cut.parents == full.parents[:max_nodes]
+        _check_tree(cut)
+
+
+# ---- properties on random contexts ------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_proposals_match_brute_force(seed):
+    rng = random.Random(seed)
+    min_ngram = rng.randint(1, 3)
+    max_ngram = rng.randint(min_ngram, 6)
+    context = _random_context(rng, rng.randint(2, 300), vocab=rng.choice([3, 8, 50]))
+    index = _index(context, min_ngram=min_ngram, max_ngram=max_ngram, max_positions=10_000)
+    for _ in range(5):
+        max_nodes, max_depth = rng.randint(0, 24), rng.randint(0, 10)
+        max_matches = rng.randint(0, 10)
+        proposal = index.propose(max_nodes, max_depth, max_matches)
+        _check_tree(proposal)
+        assert len(proposal.tokens) <= max_nodes
+        assert max(proposal.depths, default=0) <= max_depth
+        expected = _reference_proposal(context, min_ngram, max_ngram, max_nodes, max_depth,
+                                       max_matches)
+        assert proposal.tokens == expected.tokens
+        assert proposal.parents == expected.parents
+        assert proposal.depths == expected.depths
+        assert proposal.weights == pytest.approx(expected.weights)
+        assert proposal.match_length == expected.match_length
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_bounded_positions_keep_tree_invariants(seed):
+    rng = random.Random(1000 + seed)
+    context = _random_context(rng, 400, vocab=4)
+    index = _index(context, max_positions=rng.randint(1, 4))
+    proposal = index.propose(max_nodes=32, max_depth=8, max_matches=rng.randint(1, 12))
+    _check_tree(proposal)
+    for path in _paths(proposal):  # every path is a real continuation of the suffix
+        assert any(context[end + 1:end + 1 + len(path)] == list(path)
+                   and context[end - 1:end + 1] == context[-2:]
+                   for end in range(1, len(context) - 1))
+
+
+def test_propose_is_deterministic():
+    rng = random.Random(7)
+    context = _random_context(rng, 500, vocab=6)
+    first = _index(context).propose(32, 8, 8)
+    assert all(_index(context).propose(32, 8, 8) == first for _ in range(3))
+
+
+# ---- incremental updates and memory -----------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_incremental_extend_equals_rebuild(seed):
+    rng = random.Random(seed)
+    context = _random_context(rng, 300, vocab=5)
+    kwargs = dict(min_ngram=rng.randint(1, 3), max_ngram=rng.randint(3, 7),
+                  max_positions=rng.randint(1, 8))
+    rebuilt = _index(context, **kwargs)
+    chunked = ContextIndex(**kwargs)
+    start = 0
+    while start < len(context):
+        stop = start + rng.choice([0, 1, 1, 2, 5, 17])
+        chunked.extend(context[start:stop])
+        start = stop
+    assert list(chunked.tokens) == list(rebuilt.tokens) == context
+    assert len(chunked) == len(context)
+    assert chunked.num_entries() == rebuilt.num_entries()
+    assert chunked._table.positions == rebuilt._table.positions
+    assert chunked.propose(16, 8, 8) == rebuilt.propose(16, 8, 8)
+
+
+def test_extend_accepts_tensors_and_arrays():
+    import numpy as np
+
+    index = ContextIndex()
+    index.extend(torch.tensor([1, 2, 3]))
+    index.extend(np.array([4, 1, 2], dtype=np.int64))
+    index.extend(iter([3]))
+    assert list(index.tokens) == [1, 2, 3, 4, 1, 2, 3]
+    assert all(type(t) is int for t in index.tokens)
+    assert index.propose(4, 4, 4).tokens == [4, 1, 2, 3]
+
+
+@pytest.mark.parametrize("min_ngram, max_ngram, max_positions", [(2, 8, 32), (1, 4, 3),
+                                                                  (3, 3, 1)])
+def test_memory_is_bounded(min_ngram, max_ngram, max_positions):
+    rng = random.Random(3)
+    context = _random_context(rng, 2000, vocab=3)  # a tiny vocabulary repeats every n-gram
+    index = _index(context, min_ngram=min_ngram, max_ngram=max_ngram,
+                   max_positions=max_positions)
+    positions = {key: index._table.get(key) for key in index._table.positions}
+    assert index.num_entries() == sum(len(v) for v in positions.values())
+    assert index.num_entries() <= len(index) * (max_ngram - min_ngram + 1)
+    assert max(len(v) for v in positions.values()) == max_positions
+    for key, ends in positions.items():
+        assert min_ngram <= len(key) <= max_ngram
+        assert list(ends) == sorted(ends)  # the most recent ones, oldest first
+        assert all(context[e - len(key) + 1:e + 1] == list(key) for e in ends)
+
+
+# ---- the shared index -------------------------------------------------------------------
+
+
+def test_shared_index_fills_missing_matches():
+    shared = RecentOutputsIndex(max_tokens=100)
+    shared.add([8, 1, 2, 5, 6])
+    index = _index([3, 1, 2, 4, 0, 1, 2])
+    alone = index.propose(max_nodes=8, max_depth=2, max_matches=1, shared=shared)
+    assert alone.tokens == [4, 0]  # enough own matches: shared is not consulted
+    both = index.propose(max_nodes=8, max_depth=2, max_matches=2, shared=shared,
+                         depth_decay=1.0)
+    _check_tree(both)
+    own, other = 2.0, 2.0 * SHARED_DISCOUNT
+    assert dict(zip(_paths(both), both.weights)) == pytest.approx(
+        {(4,): own / (own + other), (4, 0): own / (own + other),
+         (5,): other / (own + other), (5, 6): other / (own + other)})
+    assert both.tokens[0] == 4  # own matches outrank equally long shared ones
+
+
+def test_shared_index_alone_and_its_match_length():
+    shared = RecentOutputsIndex(max_tokens=100)
+    shared.add([9, 7, 1, 2, 5])
+    index = _index([7, 1, 2])  # no earlier occurrence in its own context
+    assert index.propose(8, 4, 4) == ContextProposal.empty()
+    proposal = index.propose(8, 4, 4, shared=shared)
+    assert proposal.tokens == [5] and proposal.weights == [1.0]
+    assert proposal.match_length == 3  # the whole context occurs in the output
+
+
+def test_shared_matches_stay_within_their_output():
+    shared = RecentOutputsIndex(max_tokens=100)
+    shared.add([1, 2, 3])
+    shared.add([4, 5, 1, 2])  # (1, 2) ends this output: nothing follows it here
+    assert shared.matches([1, 2], max_matches=4, max_depth=8) == [(2, [3])]
+    assert shared.matches([0, 1, 2], max_matches=0, max_depth=8) == []
+
+
+def test_shared_eviction_drops_oldest_outputs_and_their_entries():
+    shared = RecentOutputsIndex(max_tokens=10, min_ngram=2, max_ngram=3)
+    shared.add([1, 2, 3, 4])
+    shared.add([5, 6, 7, 8])
+    assert len(shared) == 8 and shared.num_outputs == 2
+    entries_before = shared.num_entries()
+    assert shared.matches([1, 2], 4, 4) == [(2, [3, 4])]
+    shared.add([9, 5, 6, 0])  # 12 tokens > 10: the first output goes
+    assert len(shared) == 8 and shared.num_outputs == 2
+    assert shared.matches([1, 2], 4, 4) == []
+    assert shared.matches([5, 6], 4, 4) == [(2, [0]), (2, [7, 8])]
+    assert shared.num_entries() == entries_before  # two outputs of four tokens each
+    table = shared._table
+    assert all(output_id != 0 for key in table.positions for output_id, _ in table.get(key))
+    shared.add([1, 2, 3, 4, 5, 6, 7, 8, 9, 10])  # fills the budget alone
+    assert len(shared) == 10 and shared.num_outputs == 1
+    assert shared.num_entries() == 9 + 8
+    assert shared.matches([5, 6], 4, 4) == [(2, [7, 8, 9, 10])]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_shared_eviction_equals_indexing_the_survivors(seed):
+    rng = random.Random(seed)
+    shared = RecentOutputsIndex(max_tokens=200, max_ngram=4, max_positions=3)
+    outputs = [_random_context(rng, rng.randint(3, 60), vocab=4) for _ in range(30)]
+    for output in outputs:
+        shared.add(output)
+        assert len(shared) <= 200
+        assert shared.num_entries() <= len(shared) * 3
+    survivors = RecentOutputsIndex(max_tokens=10_000, max_ngram=4, max_positions=3)
+    for output in outputs[len(outputs) - shared.num_outputs:]:
+        survivors.add(output)
+    assert len(survivors) == len(shared)
+    assert shared.num_entries() == survivors.num_entries()
+    for suffix in ([0, 1], [2, 2, 3], [1, 0, 3, 2]):
+        assert shared.matches(suffix, 8, 5) == survivors.matches(suffix, 8, 5)
+
+
+def test_shared_long_output_keeps_its_tail_and_short_ones_are_skipped():
+    shared = RecentOutputsIndex(max_tokens=4)
+    shared.add([1, 2, 3, 4, 5, 6])
+    assert len(shared) == 4 and shared.matches([3, 4], 2, 2) == [(2, [5, 6])]
+    shared.add([7, 8])  # too short to hold a match and a continuation
+    assert len(shared) == 4 and shared.num_outputs == 1
+
+
+# ---- tensors ----------------------------------------------------------------------------
+
+
+def test_proposals_to_tensors_pads_and_cuts():
+    a = _index([1, 2, 3, 4, 1, 2, 3]).propose(8, 8, 8)  # 4 nodes
+    b = ContextProposal.empty()
+    tokens, parents, depths, weights = proposals_to_tensors([a, b], width=3)
+    assert tokens.dtype == parents.dtype == depths.dtype == torch.int64
+    assert weights.dtype == torch.float32
+    assert tokens.tolist() == [[4, 1, 2], [-1, -1, -1]]
+    assert parents.tolist() == [[-1, 0, 1], [-1, -1, -1]]
+    assert depths.tolist() == [[1, 2, 3], [0, 0, 0]]
+    assert torch.allclose(weights, torch.tensor([[1.0, 0.9, 0.81], [0.0, 0.0, 0.0]]))
+    tokens, parents, depths, weights = proposals_to_tensors([a], width=6)
+    assert tokens.tolist() == [[4, 1, 2, 3, -1, -1]]
+    assert parents.tolist() == [[-1, 0, 1, 2, -1, -1]]
+    assert depths.tolist() == [[1, 2, 3, 4, 0, 0]]
+
+
+def test_proposals_to_tensors_empty_shapes():
+    for tensor in proposals_to_tensors([], width=5):
+        assert tensor.shape == (0, 5)
+    for tensor in proposals_to_tensors([ContextProposal.empty()] * 2, width=0):
+        assert tensor.shape == (2, 0)
+
+
+# ---- argument validation ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make, name", [
+    (lambda: ContextIndex(min_ngram=0), "min_ngram"),
+    (lambda: ContextIndex(min_ngram=3, max_ngram=2), "max_ngram"),
+    (lambda: ContextIndex(max_positions=0), "max_positions"),
+    (lambda: RecentOutputsIndex(max_tokens=0), "max_tokens"),
+    (lambda: RecentOutputsIndex(min_ngram=0), "min_ngram"),
+    (lambda: RecentOutputsIndex(max_positions=0), "max_positions"),
+    (lambda: ContextIndex().propose(-1, 4, 4), "max_nodes"),
+    (lambda: ContextIndex().propose(4, -1, 4), "max_depth"),
+    (lambda: ContextIndex().propose(4, 4, -1), "max_matches"),
+    (lambda: ContextIndex().propose(4, 4, 4, depth_decay=0.0), "depth_decay"),
+    (lambda: ContextIndex().propose(4, 4, 4, shared_discount=1.5), "shared_discount"),
+    (lambda: RecentOutputsIndex().matches([1, 2], -1, 4), "max_matches"),
+    (lambda: proposals_to_tensors([], width=-1), "width"),
+])
+def test_invalid_arguments_name_the_argument(make, name):
+    with pytest.raises(ValueError, match=rf"^{name} must be"):
+        make()
+
+
+def test_lead_chain_is_kept_whole_before_other_branches():
+    """Many diverging occurrences of the suffix: by weight alone the nodes spread over
+    short branches; ``lead_nodes`` keeps the best match's chain (prompt lookup's own)."""
+    from vllm_graft.core.context import ContextIndex
+
+    index = ContextIndex(min_ngram=2, max_ngram=2)
+    context = []
+    for branch in range(8):  # "7 8" followed by eight different continuations
+        context += [7, 8, 100 + branch, 200 + branch, 300 + branch, 400 + branch, 9]
+    index.extend(context + [7, 8])
+    spread = index.propose(max_nodes=8, max_depth=4, max_matches=8)
+    assert max(spread.depths) == 1  # eight first tokens, no chain
+    led = index.propose(max_nodes=8, max_depth=4, max_matches=8, lead_nodes=4)
+    # the most recent occurrence's continuation, whole, then the best other branches
+    assert led.tokens[:4] == [107, 207, 307, 407]
+    assert led.parents[:4] == [-1, 0, 1, 2]
+    assert sorted(led.depths[4:]) == [1, 1, 1, 1]
+    with pytest.raises(ValueError, match="lead_nodes"):
+        index.propose(max_nodes=8, max_depth=4, max_matches=8, lead_nodes=-1)

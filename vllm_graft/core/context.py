@@ -1,0 +1,423 @@
+"""Retrieval from a request's own context: prompt lookup that proposes a small tree.
+
+Each step the last tokens of a request's context (prompt + generated tokens) are
+looked up among their earlier occurrences; what followed each occurrence is a guess
+at what follows now. Several matches are merged into a trie under the root (the last
+context token), so one proposal covers diverging continuations, and each node is
+weighted by the share of the matches that pass through it.
+
+The lookup is an n-gram hash kept up to date as tokens arrive (:class:`ContextIndex`),
+so a step costs a few dictionary reads however long the context is, where scanning
+the whole context for the suffix (vLLM's n-gram proposer) costs time linear in its
+length every step. Each key keeps only its most recent ``max_positions`` end
+positions, which bounds memory by ``len * (max_ngram - min_ngram + 1)`` entries and
+loses only old occurrences of frequent n-grams, which the most-recent-first rule
+would not pick anyway.
+
+:class:`RecentOutputsIndex` holds the same hash over recent finished outputs of all
+requests (SuffixDecoding-like), within a token budget; a request with too few matches
+of its own fills up from it.
+
+Weights. A match of length ``n`` (the n-gram length at which it was found) has weight
+``n``, times ``shared_discount`` when it comes from another request's output: longer
+matches are more specific, and a request's own text predicts it better than another
+one's. A node's weight is the weight of the matches whose continuation passes through
+it over the weight of all matches, times ``depth_decay ** (depth - 1)``: even a
+continuation every match agrees on drifts away from the text being generated, and the
+decay lets a well-supported sibling near the root outrank the tail of a long chain.
+A node's matches are a subset of its parent's, so weights never increase along a
+path, and the ``max_nodes`` best nodes form a prefix-closed subtree.
+
+Lead chain. Ranked by weight alone, a suffix with many diverging occurrences (common
+word pairs) spreads the nodes over short branches, and the tree may hold less of the
+best single continuation than prompt lookup would verify. ``lead_nodes`` keeps the
+first ``lead_nodes`` tokens of the first match (the longest, most recent one, i.e.
+prompt lookup's own chain) before any other node, so the tree contains that chain.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+#: Per-depth factor of node weights (see the module docstring).
+DEPTH_DECAY = 0.9
+#: Weight factor of a match found in another request's output.
+SHARED_DISCOUNT = 0.5
+
+
+@dataclass(frozen=True)
+class ContextProposal:
+    """One request's context-retrieved subtree under the root, parents first.
+
+    tokens:  token ids of the nodes
+    parents: index into this proposal's nodes, -1 = child of the root
+    depths:  1 for children of the root
+    weights: estimated probability that the node is on the accepted path, in (0, 1];
+             non-increasing along every path
+    match_length: length of the longest suffix match used (0 = no match)
+    """
+
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    weights: list[float]
+    match_length: int
+
+    @staticmethod
+    def empty() -> ContextProposal:
+        return ContextProposal(tokens=[], parents=[], depths=[], weights=[], match_length=0)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+# (weight, continuation) of one match, in priority order
+_Match = tuple[float, Sequence[int]]
+
+
+def _as_ints(tokens: Iterable[int]) -> list[int]:
+    """Plain ints: numpy or torch scalars would hash by identity or compare slowly."""
+    tolist = getattr(tokens, "tolist", None)
+    if tolist is not None:  # one conversion for a whole tensor or array
+        tokens = tolist()
+    return [int(t) for t in tokens]
+
+
+def _check_ngram_args(min_ngram: int, max_ngram: int, max_positions: int) -> None:
+    if min_ngram < 1:
+        raise ValueError(f"min_ngram must be >= 1, got {min_ngram}")
+    if max_ngram < min_ngram:
+        raise ValueError(f"max_ngram must be >= min_ngram ({min_ngram}), got {max_ngram}")
+    if max_positions < 1:
+        raise ValueError(f"max_positions must be >= 1, got {max_positions}")
+
+
+def _check_at_least(name: str, value: int, minimum: int) -> None:
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_fraction(name: str, value: float) -> None:
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{name} must be in (0, 1], got {value}")
+
+
+class _NgramTable:
+    """n-gram tuple -> most recent end positions (oldest first), at most ``max_positions``.
+
+    Positions are opaque to the table (ints for one context, (output, end) pairs across
+    outputs), never lists; they only need to be appended in increasing time order. A
+    key seen once (most keys) holds its position bare rather than in a one-item list:
+    a quarter less memory, and far fewer objects for the garbage collector to walk.
+    """
+
+    def __init__(self, min_ngram: int, max_ngram: int, max_positions: int):
+        _check_ngram_args(min_ngram, max_ngram, max_positions)
+        self.min_ngram = min_ngram
+        self.max_ngram = max_ngram
+        self.max_positions = max_positions
+        self.positions: dict[tuple[int, ...], Any] = {}
+        self.num_entries = 0
+
+    def register(self, tokens: list[int], end: int, position: object) -> None:
+        """Record ``position`` under every n-gram of ``tokens`` that ends at ``end``."""
+        table, cap = self.positions, self.max_positions
+        for n in range(self.min_ngram, min(self.max_ngram, end + 1) + 1):
+            key = tuple(tokens[end - n + 1:end + 1])
+            found = table.get(key)
+            if found is None:
+                table[key] = position
+                self.num_entries += 1
+            elif type(found) is list:
+                found.append(position)
+                if len(found) > cap:
+                    del found[0]
+                else:
+                    self.num_entries += 1
+            elif cap == 1:
+                table[key] = position
+            else:
+                table[key] = [found, position]
+                self.num_entries += 1
+
+    def lookup(self, suffix: Sequence[int], n: int) -> Sequence[Any]:
+        """End positions of the last ``n`` tokens of ``suffix``, oldest first."""
+        return self.get(tuple(suffix[len(suffix) - n:]))
+
+    def get(self, key: tuple[int, ...]) -> Sequence[Any]:
+        found = self.positions.get(key)
+        if found is None:
+            return ()
+        return found if type(found) is list else (found,)
+
+    def remove_leading(self, tokens: list[int], is_gone: Callable[[Any], bool]) -> None:
+        """Drop the entries of ``tokens``' n-grams that satisfy ``is_gone``, which must
+        be the oldest entries of each key (true of the oldest output when evicting)."""
+        table = self.positions
+        for end in range(self.min_ngram - 1, len(tokens)):
+            for n in range(self.min_ngram, min(self.max_ngram, end + 1) + 1):
+                key = tuple(tokens[end - n + 1:end + 1])
+                found = self.get(key)
+                cut = 0
+                while cut < len(found) and is_gone(found[cut]):
+                    cut += 1
+                if not cut:
+                    continue  # newer entries only, or an earlier end emptied the key
+                if cut == len(found):
+                    del table[key]  # empty keys would leak memory across evictions
+                else:
+                    del found[:cut]  # a list: a bare position is all or nothing
+                self.num_entries -= cut
+
+
+class _NgramIndex:
+    """What both indexes share: an :class:`_NgramTable` and its settings."""
+
+    _table: _NgramTable
+
+    @property
+    def min_ngram(self) -> int:
+        return self._table.min_ngram
+
+    @property
+    def max_ngram(self) -> int:
+        return self._table.max_ngram
+
+    @property
+    def max_positions(self) -> int:
+        return self._table.max_positions
+
+    def num_entries(self) -> int:
+        """Stored end positions over all n-gram keys."""
+        return self._table.num_entries
+
+
+class RecentOutputsIndex(_NgramIndex):
+    """Cross-request index of recent finished outputs (SuffixDecoding-like), bounded:
+    holds at most ``max_tokens`` tokens, evicting the oldest outputs first.
+
+    An output longer than ``max_tokens`` keeps only its last ``max_tokens`` tokens;
+    outputs too short to hold a match with a continuation are not stored.
+    """
+
+    def __init__(self, max_tokens: int = 65536, min_ngram: int = 2, max_ngram: int = 8,
+                 max_positions: int = 32):
+        _check_at_least("max_tokens", max_tokens, 1)
+        self._table = _NgramTable(min_ngram, max_ngram, max_positions)
+        self.max_tokens = max_tokens
+        self._outputs: OrderedDict[int, list[int]] = OrderedDict()
+        self._next_id = 0
+        self._num_tokens = 0
+
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self._outputs)
+
+    def __len__(self) -> int:
+        return self._num_tokens
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Index one finished output (whether it includes the prompt is the caller's
+        choice), then evict the oldest outputs until at most ``max_tokens`` remain."""
+        output = _as_ints(tokens)[-self.max_tokens:]
+        if len(output) < self.min_ngram + 1:
+            return
+        output_id = self._next_id
+        self._next_id += 1
+        self._outputs[output_id] = output
+        self._num_tokens += len(output)
+        for end in range(self.min_ngram - 1, len(output)):
+            self._table.register(output, end, (output_id, end))
+        while self._num_tokens > self.max_tokens:
+            self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        output_id, output = self._outputs.popitem(last=False)
+        self._num_tokens -= len(output)
+        self._table.remove_leading(output, lambda position: position[0] == output_id)
+
+    def matches(self, suffix: Sequence[int], max_matches: int,
+                max_depth: int) -> list[tuple[int, list[int]]]:
+        """``(match length, continuation)`` for up to ``max_matches`` occurrences of the
+        end of ``suffix`` followed by at least one token: longest match first, most
+        recent first within a length; each continuation has at most ``max_depth``
+        tokens and stays within its output."""
+        _check_at_least("max_matches", max_matches, 0)
+        _check_at_least("max_depth", max_depth, 1)
+        found: list[tuple[int, list[int]]] = []
+        if max_matches == 0:
+            return found
+        taken: set[tuple[int, int]] = set()
+        for n in range(min(self.max_ngram, len(suffix)), self.min_ngram - 1, -1):
+            for position in reversed(self._table.lookup(suffix, n)):
+                output_id, end = position
+                output = self._outputs[output_id]
+                if end >= len(output) - 1 or position in taken:
+                    continue
+                taken.add(position)
+                found.append((n, output[end + 1:end + 1 + max_depth]))
+                if len(found) == max_matches:
+                    return found
+        return found
+
+
+class ContextIndex(_NgramIndex):
+    """n-gram hash over one request's tokens, updated incrementally.
+
+    Every n-gram with ``min_ngram <= n <= max_ngram`` maps to its most recent
+    ``max_positions`` end positions; :meth:`extend` registers the n-grams that end at
+    each new token, so any chunking of the same tokens builds the same index.
+    """
+
+    def __init__(self, min_ngram: int = 2, max_ngram: int = 8, max_positions: int = 32):
+        self._table = _NgramTable(min_ngram, max_ngram, max_positions)
+        self._tokens: list[int] = []
+
+
+    @property
+    def tokens(self) -> Sequence[int]:
+        """The context held (the index's own list: read, do not modify)."""
+        return self._tokens
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        """Append ``tokens`` to the context and index the n-grams ending at each."""
+        new = _as_ints(tokens)
+        start = len(self._tokens)
+        self._tokens.extend(new)
+        register, context = self._table.register, self._tokens
+        for end in range(max(start, self.min_ngram - 1), len(context)):
+            register(context, end, end)
+
+    def _own_matches(self, max_matches: int, max_depth: int) -> tuple[list[_Match], int]:
+        """Earlier occurrences of the suffix, longest first, then most recent first."""
+        context, length = self._tokens, len(self._tokens)
+        matches: list[_Match] = []
+        taken: set[int] = set()
+        longest = 0
+        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+            for end in reversed(self._table.lookup(context, n)):
+                # end == length - 1 is the suffix itself: nothing follows it yet
+                if end >= length - 1 or end in taken:
+                    continue
+                taken.add(end)
+                matches.append((float(n), context[end + 1:end + 1 + max_depth]))
+                longest = max(longest, n)
+                if len(matches) == max_matches:
+                    return matches, longest
+        return matches, longest
+
+    def propose(self, max_nodes: int, max_depth: int, max_matches: int,
+                shared: RecentOutputsIndex | None = None, *,
+                depth_decay: float = DEPTH_DECAY,
+                shared_discount: float = SHARED_DISCOUNT,
+                lead_nodes: int = 0) -> ContextProposal:
+        """The best ``max_nodes`` nodes of the trie of up to ``max_matches`` suffix
+        matches' continuations (``max_depth`` tokens each) under the last token.
+
+        Own matches come first; ``shared`` fills the remaining matches with occurrences
+        of the suffix in recent outputs of other requests. Node weights: see the
+        module docstring. Ties rank shallower nodes first, then earlier ones (from a
+        longer or more recent match). The first ``lead_nodes`` nodes of the first
+        match's continuation rank before all others (module docstring).
+        """
+        _check_at_least("lead_nodes", lead_nodes, 0)
+        _check_at_least("max_nodes", max_nodes, 0)
+        _check_at_least("max_depth", max_depth, 0)
+        _check_at_least("max_matches", max_matches, 0)
+        _check_fraction("depth_decay", depth_decay)
+        _check_fraction("shared_discount", shared_discount)
+        if max_nodes == 0 or max_depth == 0 or max_matches == 0 or not self._tokens:
+            return ContextProposal.empty()
+        matches, longest = self._own_matches(max_matches, max_depth)
+        if shared is not None and len(matches) < max_matches:
+            suffix = self._tokens[-shared.max_ngram:]
+            for n, continuation in shared.matches(suffix, max_matches - len(matches),
+                                                  max_depth):
+                matches.append((n * shared_discount, continuation))
+                longest = max(longest, n)
+        if not matches:
+            return ContextProposal.empty()
+        return _best_subtree(matches, max_nodes, depth_decay, longest, lead_nodes)
+
+
+def _best_subtree(matches: list[_Match], max_nodes: int, depth_decay: float,
+                  match_length: int, lead_nodes: int = 0) -> ContextProposal:
+    """Trie-merge the continuations and keep the ``max_nodes`` heaviest nodes."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    depths: list[int] = []
+    mass: list[float] = []
+    child: dict[tuple[int, int], int] = {}
+    total = 0.0
+    for weight, continuation in matches:
+        total += weight
+        parent = -1
+        for token in continuation:
+            node = child.get((parent, token))
+            if node is None:
+                node = child[(parent, token)] = len(tokens)
+                tokens.append(token)
+                parents.append(parent)
+                depths.append(1 if parent < 0 else depths[parent] + 1)
+                mass.append(0.0)
+            mass[node] += weight
+            parent = node
+
+    # Nodes are numbered parents first, so a parent's weight is known before its
+    # children's; the min() only guards the invariant against rounding.
+    weights: list[float] = []
+    for node, parent in enumerate(parents):
+        weight = mass[node] / total * depth_decay ** (depths[node] - 1)
+        weights.append(weight if parent < 0 else min(weight, weights[parent]))
+
+    # A parent outranks its children (weight >=, shallower), so the best nodes are
+    # prefix-closed and, in rank order, parents first. The lead chain is the first
+    # match's path (nodes 0, 1, ... in insertion order), ranked ahead as a whole.
+    lead = set(range(min(lead_nodes, len(matches[0][1]) if matches else 0)))
+    kept = heapq.nsmallest(max_nodes, range(len(tokens)),
+                           key=lambda i: (i not in lead, -weights[i], depths[i], i))
+    row = {node: i for i, node in enumerate(kept)}
+    return ContextProposal(
+        tokens=[tokens[i] for i in kept],
+        parents=[-1 if parents[i] < 0 else row[parents[i]] for i in kept],
+        depths=[depths[i] for i in kept],
+        weights=[weights[i] for i in kept],
+        match_length=match_length,
+    )
+
+
+def proposals_to_tensors(proposals: Sequence[ContextProposal], width: int,
+                         device: torch.device | str = "cpu"
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[B, width] tokens (int64, -1 padding), parents (int64, -1 = root and for
+    padding), depths (int64, 0 for padding), weights (float32, 0 for padding).
+
+    Proposals longer than ``width`` are cut to their first ``width`` nodes, still
+    prefix-closed because nodes are parents first. Built on the host and moved once.
+    """
+    _check_at_least("width", width, 0)
+    tokens, parents, depths, weights = [], [], [], []
+    for proposal in proposals:
+        n = min(len(proposal.tokens), width)
+        pad = width - n
+        tokens.append(proposal.tokens[:n] + [-1] * pad)
+        parents.append(proposal.parents[:n] + [-1] * pad)
+        depths.append(proposal.depths[:n] + [0] * pad)
+        weights.append(proposal.weights[:n] + [0.0] * pad)
+    shape = (len(proposals), width)
+
+    def make(rows: list[list], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(rows, dtype=dtype).reshape(shape).to(device)
+
+    return (make(tokens, torch.int64), make(parents, torch.int64),
+            make(depths, torch.int64), make(weights, torch.float32))
