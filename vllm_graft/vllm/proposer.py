@@ -26,6 +26,7 @@ EAGLE's shifted input, and has no hidden-state input.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -162,8 +163,10 @@ class GraftTreeDrafting:
         self.plain_steps: dict[str, int] = {}
         self.max_model_len = vllm_config.model_config.max_model_len
         self.forward_timer = SpanTimer(device)  # head forwards (for the overhead metrics)
-        # drafter inputs deferred while the throughput guard decodes plainly
+        # drafter inputs deferred while the throughput guard decodes plainly, and the
+        # time spent feeding them (left out of the guard's measurement of the next step)
         self.deferred: dict[str, DeferredRows] = {}
+        self.flush_seconds = 0.0
         # context retrieval: one index per request over its prompt and output, and,
         # when configured, one over recent outputs of finished requests
         self.uses_context = config.uses_context and config.context_settings.max_nodes > 0
@@ -353,14 +356,21 @@ class GraftTreeDrafting:
             if now:
                 self._feed(runner, [s for s, _ in now], [i for _, i in now])
             return None
-        merged = []
+        merged, flushed = [], False
         for s, (tokens, positions, hidden) in zip(settled, inputs):
             entry = self.deferred.pop(req_ids[s.batch_row], None)
             if entry is not None:
                 entry.append(tokens, positions, hidden, self.MAX_DEFERRED + len(positions))
                 tokens, positions, hidden = entry.tokens, entry.positions, entry.hidden
+                flushed = True
             merged.append((tokens, positions, hidden))
-        return self._feed(runner, settled, merged)
+        if not flushed:
+            return self._feed(runner, settled, merged)
+        start = time.perf_counter()
+        out = self._feed(runner, settled, merged)
+        # what the plain steps saved, paid now: not a cost of the coming speculative step
+        self.flush_seconds += time.perf_counter() - start
+        return out
 
     def _feed(self, runner, settled: list[SettledRows], inputs: list[tuple]):
         """One drafter forward over each request's (tokens, positions, hidden) rows."""

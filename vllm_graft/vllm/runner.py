@@ -386,16 +386,19 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
 def _observe_throughput(runner, scheduler_output, settled: list[SettledRows],
                         speculated: bool) -> None:
     """Time this engine step (from the last step's drafting to this one's) and count its
-    emitted tokens, for the throughput guard; steps with prefill chunks are skipped."""
+    emitted tokens, for the throughput guard; steps with prefill chunks are skipped.
+    Feeding the drafter the positions deferred during plain steps is left out: that
+    work belongs to the plain steps (it is what they put off)."""
     now = time.perf_counter()
     last, runner._graft_step_clock = getattr(runner, "_graft_step_clock", None), now
+    flushed, runner.drafter.flush_seconds = runner.drafter.flush_seconds, 0.0
     spec = scheduler_output.scheduled_spec_decode_tokens
     prefill = any(count - len(spec.get(req_id, ())) > 1
                   for req_id, count in scheduler_output.num_scheduled_tokens.items())
     if last is None or prefill or not settled:
         return
     tokens = sum(len(s.next_tokens) for s in settled)
-    runner.drafter.guard.observe(speculated, len(settled), tokens, now - last)
+    runner.drafter.guard.observe(speculated, len(settled), tokens, now - last - flushed)
 
 
 #: BuildStats fields summed into the counter of the same meaning
