@@ -286,12 +286,11 @@ class ThroughputGuard:
     for ``probe_steps`` steps every ``explore_every`` steps, so a change of load,
     context length or text is noticed. Each batch size starts with ``probe_steps``
     steps of each mode; batch sizes are bucketed by powers of two. Steps with prefill
-    chunks are not measured (their time is not
-    the decoding cost of either mode).
+    chunks are not measured (their time is not the decoding cost of either mode).
 
     The guard's plain mode is nearly plain decoding (no drafting, no tree, no matrix
-    update), except that the drafter still reads each new position once so its cache
-    stays complete for when speculation resumes.
+    update); the adapter feeds the drafter the positions it missed just before
+    speculation resumes, so its cache stays complete.
     """
 
     probe_steps: int = 4

@@ -25,6 +25,7 @@ EAGLE's shifted input, and has no hidden-state input.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from dataclasses import dataclass
@@ -88,20 +89,15 @@ class DeferredRows:
         """Add one step's rows; a position fed again replaces the earlier copy, a gap
         drops what came before it, and only the last ``limit`` positions stay."""
         start = positions[0]
-        keep = 0
-        while keep < len(self.positions) and self.positions[keep] < start:
-            keep += 1
+        keep = bisect.bisect_left(self.positions, start)  # the rows before this step's
         if keep and self.positions[keep - 1] != start - 1:
             keep = 0  # not contiguous: start again from here
-        drop = max(keep + len(positions) - limit, 0)
-        self.tokens = self.tokens[drop:keep] + tokens
-        self.positions = self.positions[drop:keep] + positions
+        self.tokens = (self.tokens[:keep] + tokens)[-limit:]
+        self.positions = (self.positions[:keep] + positions)[-limit:]
         if hidden is not None:
-            self.hidden = hidden if self.hidden is None or keep <= drop else torch.cat(
-                [self.hidden[drop:keep], hidden])
-        self.tokens, self.positions = self.tokens[-limit:], self.positions[-limit:]
-        if self.hidden is not None:
-            self.hidden = self.hidden[-limit:]
+            if self.hidden is not None and keep:
+                hidden = torch.cat([self.hidden[:keep], hidden])
+            self.hidden = hidden[-limit:]
 
 
 @dataclass
@@ -169,12 +165,13 @@ class GraftTreeDrafting:
         self.flush_seconds = 0.0
         # context retrieval: one index per request over its prompt and output, and,
         # when configured, one over recent outputs of finished requests
-        self.uses_context = config.uses_context and config.context_settings.max_nodes > 0
+        self.context_config = config.context_settings  # resolved once: read per request, step
+        self.uses_context = config.uses_context and self.context_config.max_nodes > 0
         self.context_indexes: dict[str, ContextIndex] = {}
         self.prompt_lengths: dict[str, int] = {}
         self.shared_context = None
-        if self.uses_context and config.context_settings.cross_request:
-            context = config.context_settings
+        if self.uses_context and self.context_config.cross_request:
+            context = self.context_config
             self.shared_context = RecentOutputsIndex(
                 max_tokens=context.cross_request_tokens, min_ngram=context.min_ngram,
                 max_ngram=context.max_ngram)
@@ -243,7 +240,7 @@ class GraftTreeDrafting:
         if self.uses_context:
             proposals = [self._context_proposal(runner, settled[i]) for i in drafting]
             tokens, parents, depths, _ = proposals_to_tensors(
-                proposals, self.settings.config.context_settings.max_nodes, self.device)
+                proposals, self.context_config.max_nodes, self.device)
             context = (tokens, parents, depths)
         tree, stats = self.tree_builder.build(roots.to(self.device), expander, context)
         self.last_build = stats
@@ -296,8 +293,8 @@ class GraftTreeDrafting:
         req_id = runner.input_batch.req_ids[settled.batch_row]
         index = self.context_indexes.get(req_id)
         first = settled.first_position
+        config = self.context_config
         if index is None or len(index) > first + 1:  # new, or its history was rewound
-            config = self.settings.config.context_settings
             index = ContextIndex(min_ngram=config.min_ngram, max_ngram=config.max_ngram)
             self.context_indexes[req_id] = index
             self.prompt_lengths[req_id] = runner.requests[req_id].num_prompt_tokens
@@ -305,7 +302,6 @@ class GraftTreeDrafting:
             index.extend(runner.input_batch.token_ids_cpu[settled.batch_row,
                                                           len(index):first + 1].tolist())
         index.extend(settled.next_tokens)
-        config = self.settings.config.context_settings
         return index.propose(max_nodes=config.max_nodes, max_depth=config.max_depth,
                              max_matches=config.max_matches, shared=self.shared_context,
                              lead_nodes=config.lead_nodes)
@@ -364,12 +360,10 @@ class GraftTreeDrafting:
                 tokens, positions, hidden = entry.tokens, entry.positions, entry.hidden
                 flushed = True
             merged.append((tokens, positions, hidden))
-        if not flushed:
-            return self._feed(runner, settled, merged)
         start = time.perf_counter()
         out = self._feed(runner, settled, merged)
-        # what the plain steps saved, paid now: not a cost of the coming speculative step
-        self.flush_seconds += time.perf_counter() - start
+        if flushed:  # what the plain steps put off, paid now: not the next step's cost
+            self.flush_seconds += time.perf_counter() - start
         return out
 
     def _feed(self, runner, settled: list[SettledRows], inputs: list[tuple]):
