@@ -24,3 +24,12 @@ OUT=${OUT:-bench/results/smollm2-135m}
 DATASETS=${DATASETS:-humaneval mtbench gsm8k code-1k code-2k code-4k}
 .venv/bin/vllm-graft bench --target smollm2-135m --head "$HEAD" --out "$OUT" \
   --datasets $DATASETS --prompts 4 --max-tokens 64 --ablations "$@"
+# Speed against plain decoding: the modes of budget "auto" (trees, copy chains, plain),
+# prompt lookup and EAGLE-3 chains, with a batch sweep; warm-up and calibration from
+# the run above.
+SPEED_OUT=${SPEED_OUT:-bench/results/smollm2-135m-guard}
+.venv/bin/vllm-graft bench --target smollm2-135m --head "$HEAD" --out "$SPEED_OUT" \
+  --methods plain eagle3 ngram graft_no_context graft graft_chain graft_auto \
+  --datasets humaneval mtbench gsm8k code-edit code-1k code-2k --prompts 4 --max-tokens 64 \
+  --warmup "$OUT/warmup.bin" --calibration "$OUT/calibration.json" \
+  --batch-sizes 1 8 32 --batch-methods plain eagle3 ngram graft_chain graft_auto

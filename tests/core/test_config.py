@@ -81,3 +81,30 @@ def test_context_copies_default_by_variant_and_survive_a_round_trip():
     assert GraftConfig.from_dict({"context": {"max_nodes": 4}}).context_settings.max_nodes == 4
     with pytest.raises(GraftConfigError, match="graft.context.max_ngram"):
         GraftConfig.from_dict({"context": {"max_ngram": 0}})
+
+
+def test_guard_modes_need_the_guard_and_survive_a_round_trip():
+    from vllm_graft.core.config import StepMode
+
+    config = GraftConfig.from_dict({})  # budget "auto" is the default
+    assert config.auto_size and config.auto_guard and config.budget == 60
+    assert not GraftConfig.from_dict({"budget": 60}).auto_size  # a number is fixed
+    assert not GraftConfig.from_dict({"auto_size": False}).auto_size
+    assert config.guard_modes == (StepMode.TREE, StepMode.CHAIN, StepMode.PLAIN)
+    chains = GraftConfig.from_dict({"budget": "auto", "guard_modes": ["chain"],
+                                    "chain_tokens": 6})
+    assert chains.guard_modes == (StepMode.CHAIN,)
+    again = GraftConfig.from_dict(chains.model_dump(mode="json"))
+    assert again == chains
+    # a dumped config (every key set) reads back the same, fixed or auto
+    for dumped in (GraftConfig(), GraftConfig(budget=60)):
+        assert GraftConfig.from_dict(dumped.model_dump(mode="json")) == dumped
+    for data, message in [
+            ({"budget": 60, "guard_modes": ["chain"]}, "budget \"auto\""),
+            ({"budget": "auto", "auto_guard": False, "chain_walk": 1}, "chain_walk"),
+            ({"budget": "auto", "guard_modes": []}, "graft.guard_modes"),
+            ({"budget": "auto", "guard_modes": ["tree", "tree"]}, "at most once"),
+            ({"budget": "auto", "guard_modes": ["fast"]}, "graft.guard_modes.0"),
+            ({"budget": "auto", "chain_tokens": 0}, "graft.chain_tokens")]:
+        with pytest.raises(GraftConfigError, match=message):
+            GraftConfig.from_dict(data)

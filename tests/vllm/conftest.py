@@ -50,7 +50,10 @@ def running_llm(model: Path, speculative_config=None, **kwargs):
 
 
 def graft_spec(head: Path, **graft) -> dict:
-    return {"method": "graft", "model": str(head), "graft": graft}
+    """A Graft speculative config; trees of a fixed budget of 60 unless ``budget`` is
+    given (the product's default, budget "auto", picks each step's mode by measured
+    speed, which tests about trees must not depend on)."""
+    return {"method": "graft", "model": str(head), "graft": {"budget": 60, **graft}}
 
 
 def spec_metrics(llm) -> dict:

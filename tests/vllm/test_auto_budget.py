@@ -27,12 +27,15 @@ def test_auto_budget_greedy_identical_and_profile_cached(tiny_models, plain_outp
     assert metrics["graft_trees_built"] > 0
     # the sizer verified fewer nodes than the cap of 60 per tree, and said how many
     assert 0 < metrics["graft_auto_chosen_nodes"] < 60 * metrics["graft_trees_built"]
-    assert metrics["graft_verified_nodes"] <= metrics["graft_auto_chosen_nodes"]
+    assert metrics["graft_verified_nodes"] <= (metrics["graft_auto_chosen_nodes"]
+                                               + metrics["graft_chain_nodes"])
     assert "graft_auto_predicted_accepted_milli" in metrics
 
-    # the throughput guard measured both modes (it starts with a few steps of each)
-    assert metrics["graft_guard_speculative_steps"] > 0
+    # the throughput guard measured every mode (it starts with a few steps of each)
+    assert metrics["graft_guard_tree_steps"] > 0
+    assert metrics["graft_guard_chain_steps"] > 0
     assert metrics["graft_guard_plain_steps"] > 0
+    assert metrics["graft_chains_built"] > 0
 
     before = profiles[0].stat().st_mtime_ns
     with running_llm(tiny_models.target, spec) as llm:  # a restart reuses the profile
@@ -73,14 +76,17 @@ def test_auto_budget_sampling_matches_plain_sampling(tiny_models, tmp_path, monk
 
 def guard_state(worker) -> dict:
     guard = worker.model_runner.drafter.guard
-    return {"speculative": dict(guard.speculative_rate), "plain": dict(guard.plain_rate),
-            "preferred": {b: guard.preferred(b) for b in guard.plain_rate}}
+    return {"rates": {f"{mode.value}@{batch}": rate
+                      for (batch, mode), rate in guard.rates.items()},
+            "preferred": {b: guard.preferred(b).value
+                          for b in {batch for batch, _ in guard.rates}
+                          if guard.preferred(b) is not None}}
 
 
-def test_throughput_guard_decodes_in_the_measured_faster_mode(tiny_models, plain_outputs,
-                                                              tmp_path, monkeypatch):
-    """Long greedy generations at one batch size: the guard measures both modes, then
-    runs the faster one most of the time; output identical whichever mode ran."""
+def test_throughput_guard_decodes_in_the_measured_fastest_mode(tiny_models, plain_outputs,
+                                                               tmp_path, monkeypatch):
+    """Long greedy generations at one batch size: the guard measures every mode, then
+    runs the fastest one most of the time; output identical whichever mode ran."""
     from vllm import SamplingParams
 
     monkeypatch.setenv("VLLM_GRAFT_CACHE", str(tmp_path))
@@ -91,8 +97,36 @@ def test_throughput_guard_decodes_in_the_measured_faster_mode(tiny_models, plain
                                                   ignore_eos=True), use_tqdm=False)
         state = llm.collective_rpc(guard_state)[0]
         metrics = spec_metrics(llm)
-    assert state["preferred"].get(4) is not None, state  # both modes measured at batch 4
-    speculative = metrics["graft_guard_speculative_steps"]
-    plain = metrics["graft_guard_plain_steps"]
-    faster, slower = (speculative, plain) if state["preferred"][4] else (plain, speculative)
-    assert faster > 2 * slower, (state, speculative, plain)
+    assert state["preferred"].get(4) is not None, state  # every mode measured at batch 4
+    steps = {mode: metrics[f"graft_guard_{mode}_steps"] for mode in ("tree", "chain", "plain")}
+    fastest = steps.pop(state["preferred"][4])
+    assert fastest > 2 * max(steps.values()), (state, fastest, steps)
+
+
+def test_copy_chains_alone_are_lossless(tiny_models, plain_outputs, tmp_path, monkeypatch):
+    """``guard_modes: ["chain"]``: every step a copy chain (context copies continued by
+    the successor matrix, no drafter), verified by the backend's causal attention.
+    Greedy output identical to plain decoding; sampled output distributed as plain
+    sampling; the chains were proposed and some of their nodes accepted."""
+    monkeypatch.setenv("VLLM_GRAFT_CACHE", str(tmp_path))
+    spec = graft_spec(tiny_models.head, budget="auto", guard_modes=["chain"])
+    with running_llm(tiny_models.target, spec) as llm:
+        assert_greedy_identical(llm, PROMPTS, plain_outputs, MAX_TOKENS)
+        metrics = spec_metrics(llm)
+    assert metrics["graft_guard_chain_steps"] > 0 and not metrics.get("graft_guard_tree_steps")
+    assert metrics["graft_chains_built"] > 0 and not metrics.get("graft_trees_built")
+    assert 0 < metrics["graft_verified_nodes"] <= metrics["graft_chain_nodes"]
+    assert metrics["graft_accepted_context"] + metrics["graft_accepted_retrieved"] > 0, metrics
+    assert not metrics.get("graft_tree_attention_us")  # chains need no tree attention
+
+    monkeypatch.setenv("VLLM_GRAFT_CACHE", str(tmp_path / "sampling"))
+    flat_profile(tiny_models.sharp, tmp_path / "sampling")
+    name = "t2.0-topk20"
+    plain, _ = sample(tiny_models.sharp, None, SETTINGS[name], seed=1)
+    got, metrics = sample(tiny_models.sharp, graft_spec(tiny_models.sharp_head, budget="auto",
+                                                        guard_modes=["chain"]),
+                          SETTINGS[name], seed=2)
+    assert metrics["graft_verified_trees"] > SAMPLES // 2, metrics
+    assert metrics["graft_accepted_retrieved"] > 0, metrics
+    pvalues = distribution_pvalues(plain, got)
+    assert min(pvalues.values()) > 1e-4, pvalues

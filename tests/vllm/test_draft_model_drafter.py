@@ -31,14 +31,16 @@ def test_draft_model_trees_are_lossless_and_accepted(tiny_models, plain_outputs)
 
 
 class AlternatingGuard:
-    """A throughput-guard stand-in: three plain steps, then two speculative ones."""
+    """A throughput-guard stand-in: three plain steps, then two tree steps."""
 
     def __init__(self):
         self.steps = 0
 
-    def speculate(self, batch: int) -> bool:
+    def choose(self, batch: int):
+        from vllm_graft.core.config import StepMode
+
         self.steps += 1
-        return self.steps % 5 >= 3
+        return StepMode.TREE if self.steps % 5 >= 3 else StepMode.PLAIN
 
     def observe(self, *args) -> None:
         pass
@@ -63,7 +65,7 @@ def test_deferred_drafter_inputs_keep_a_perfect_drafter_perfect(tiny_models, pla
         outputs = llm.generate(PROMPTS, params, use_tqdm=False)
         metrics = spec_metrics(llm)
     assert [list(o.outputs[0].token_ids) for o in outputs] == plain_outputs
-    assert metrics["graft_guard_plain_steps"] > metrics["graft_guard_speculative_steps"] > 0
+    assert metrics["graft_guard_plain_steps"] > metrics["graft_guard_tree_steps"] > 0
     assert mean_accepted(metrics) > 6.0, metrics  # every tree still accepted to depth 7
 
 

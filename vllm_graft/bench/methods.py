@@ -72,5 +72,12 @@ def methods(budget: int, chain_tokens: int = 5) -> dict[str, Method]:
         "graft_auto": Method("graft_auto", "graft", graft={"variant": "graft",
                                                            "budget": "auto"},
                              uses_retrieval=True,
-                             note="the default tree, sized per step (budget \"auto\")"),
+                             note="budget \"auto\": each step a sized tree, a copy chain "
+                                  "or plain decoding, whichever measures fastest"),
+        "graft_chain": Method("graft_chain", "graft",
+                              graft={"variant": "graft", "budget": "auto",
+                                     "guard_modes": ["chain"]},
+                              uses_retrieval=True,
+                              note="copy chains only: context copies continued by the "
+                                   "successor matrix, no drafter"),
     }

@@ -191,10 +191,27 @@ def batch_section(results: dict) -> list[str]:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     by = {(r["method"], r["batch"], r["dataset"]): r for r in results["batch_rows"]
           if r["dataset"] != "_engine"}
-    for name in ("graft_auto", "graft"):
-        ratios = [(b, d, r["tokens_per_s"] / by[("plain", b, d)]["tokens_per_s"])
-                  for (m, b, d), r in by.items() if m == name and ("plain", b, d) in by
-                  and by[("plain", b, d)]["tokens_per_s"]]
+    datasets = list(dict.fromkeys(d for _, _, d in by))
+
+    def ratio(name: str, batch: int, dataset: str, baseline: str = "plain") -> float | None:
+        row, base = by.get((name, batch, dataset)), by.get((baseline, batch, dataset))
+        if row is None or base is None or not base["tokens_per_s"]:
+            return None
+        return row["tokens_per_s"] / base["tokens_per_s"]
+
+    lines += ["", "Per dataset (x plain at the same batch):", "",
+              "| method | batch | " + " | ".join(datasets) + " |",
+              "|---|---|" + "---|" * len(datasets)]
+    for name in names:
+        if name == "plain":
+            continue
+        for b in batches:
+            cells = ["-" if ratio(name, b, d) is None else f"{ratio(name, b, d):.2f}"
+                     for d in datasets]
+            lines.append(f"| {name} | {b} | " + " | ".join(cells) + " |")
+    for name in ("graft_auto", "graft_chain", "graft"):
+        ratios = [(b, d, ratio(m, b, d)) for (m, b, d) in by
+                  if m == name and ratio(m, b, d) is not None]
         if ratios:
             b, d, worst = min(ratios, key=lambda item: item[2])
             lines.append("")
@@ -202,6 +219,14 @@ def batch_section(results: dict) -> list[str]:
                          f"goal >= 1.0 everywhere); batch 1 over all datasets: "
                          + (f"{speed[(name, 1)] / speed[('plain', 1)]:.2f}x (goal >= 1.15)"
                             if (name, 1) in speed and ("plain", 1) in speed else "n/a"))
+    for baseline in ("ngram", "eagle3"):
+        pairs = [(d, ratio("graft_auto", 1, d, baseline))
+                 for d in ("humaneval", "mtbench", "gsm8k")
+                 if ratio("graft_auto", 1, d, baseline) is not None]
+        if pairs:
+            lines.append("")
+            lines.append(f"graft_auto / {baseline} at batch 1 (goal >= 1.0): "
+                         + ", ".join(f"{d} {ratio:.2f}x" for d, ratio in pairs))
     return lines
 
 

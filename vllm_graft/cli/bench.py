@@ -21,7 +21,7 @@ from vllm_graft.assets.models import MODELS, prepare_model
 from vllm_graft.assets.pypi import default_cache_dir
 
 ALL_METHODS = ["plain", "eagle3", "ngram", "suffix", "dense_tree", "prune_only",
-               "retrieval_only", "graft_no_context", "graft", "graft_auto"]
+               "retrieval_only", "graft_no_context", "graft", "graft_chain", "graft_auto"]
 ALL_DATASETS = ["humaneval", "mtbench", "gsm8k", "code-edit", "essays-4k", "code-4k", "code-8k",
                 "code-16k"]
 COMMITTED_HEADS = Path(__file__).resolve().parents[2] / "assets" / "heads"

@@ -24,12 +24,14 @@ likely to be accepted. Three pieces, all batched and device-agnostic:
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from vllm_graft.core.acceptance import AcceptanceResult
+from vllm_graft.core.config import StepMode
 from vllm_graft.core.hybrid import SOURCE_CONTEXT, HybridTree, trim_tree
 
 #: the acceptance model's source classes; a context-copied node is ``context`` whatever
@@ -83,11 +85,14 @@ class CostModel:
         weight = (batch - lower) / (upper - lower)
         return low + weight * (high - low)
 
-    def step_ms(self, batch: int, nodes: torch.Tensor) -> torch.Tensor:
+    def step_ms(self, batch: int, nodes: torch.Tensor,
+                overhead_ms: float | None = None) -> torch.Tensor:
         """Time of a step that verifies ``nodes`` tree nodes in total (plus the batch's
-        roots); a step with no node is plain decoding and pays no Graft overhead."""
+        roots); a step with no node is plain decoding and pays no Graft overhead.
+        ``overhead_ms`` replaces the tree steps' fixed cost (copy chains have their own)."""
         nodes = nodes.to(torch.float64)
-        graft = torch.where(nodes > 0, self.overhead_ms + self.per_node_ms * nodes,
+        fixed = self.overhead_ms if overhead_ms is None else overhead_ms
+        graft = torch.where(nodes > 0, fixed + self.per_node_ms * nodes,
                             torch.zeros_like(nodes))
         return self.verify_ms(batch, batch + nodes) + graft
 
@@ -245,10 +250,10 @@ class Choice:
 
 
 def choose_nodes(path_prob: torch.Tensor, valid: torch.Tensor, cost: CostModel,
-                 max_nodes: int | None = None) -> Choice:
+                 max_nodes: int | None = None, overhead_ms: float | None = None) -> Choice:
     """The nodes whose verification maximises expected emitted tokens per millisecond
     for the whole batch (module doc). ``path_prob``/``valid``: ``[B, N]``, row 0 the root;
-    ``max_nodes`` caps the total."""
+    ``max_nodes`` caps the total; ``overhead_ms``: see :meth:`CostModel.step_ms`."""
     batch, rows = path_prob.shape
     device = path_prob.device
     candidate = valid.clone()
@@ -265,7 +270,7 @@ def choose_nodes(path_prob: torch.Tensor, valid: torch.Tensor, cost: CostModel,
                        flat[order[:available]].cumsum(0)])
     counts = torch.arange(available + 1, device=device)
     expected = batch + gains
-    time = cost.step_ms(batch, counts)
+    time = cost.step_ms(batch, counts, overhead_ms)
     best = int(torch.argmax(expected / time))
     keep = torch.zeros(batch * rows, dtype=torch.bool, device=device)
     keep[order[:best]] = True
@@ -277,78 +282,124 @@ def choose_nodes(path_prob: torch.Tensor, valid: torch.Tensor, cost: CostModel,
 
 # ---- measured throughput ------------------------------------------------------------------
 @dataclass
+class _ModeStats:
+    """Discounted sums over one mode's steps at one batch size: steps (weight), emitted
+    tokens, their squares, seconds; ``step`` is the guard step they were last decayed to."""
+
+    weight: float = 0.0
+    tokens: float = 0.0
+    tokens_sq: float = 0.0
+    seconds: float = 0.0
+    step: int = 0
+
+    def decayed(self, step: int, keep: float) -> _ModeStats:
+        factor = keep ** max(step - self.step, 0)
+        return _ModeStats(self.weight * factor, self.tokens * factor,
+                          self.tokens_sq * factor, self.seconds * factor, step)
+
+
+@dataclass
 class ThroughputGuard:
-    """Speculate only while it is measurably faster than not speculating.
+    """Run each step in the mode measured fastest (emitted tokens per second).
 
     The cost and acceptance models predict; this measures. Whole decoding steps are
-    timed in both modes, per batch size, as emitted tokens per second (an exponential
-    moving average); the engine runs in the faster mode and re-measures the other one
-    for ``probe_steps`` steps every ``explore_every`` steps, so a change of load,
-    context length or text is noticed. Each batch size starts with ``probe_steps``
-    steps of each mode; batch sizes are bucketed by powers of two. Steps with prefill
-    chunks are not measured (their time is not the decoding cost of either mode).
+    timed in every mode, per batch size (power-of-two buckets): a mode's rate is its
+    emitted tokens over its seconds, both sums over its steps discounted by one
+    ``window``-th per engine step, so what a mode measured fades while it does not run.
 
-    The guard's plain mode is nearly plain decoding (no drafting, no tree, no matrix
-    update); the adapter feeds the drafter the positions it missed just before
-    speculation resumes, so its cache stays complete.
+    Choosing is a discounted upper-confidence-bound bandit: each batch size first runs
+    ``probe_steps`` steps of every mode, then each step the mode whose rate could still
+    be highest, its rate plus ``confidence`` standard errors of its tokens per step
+    (at least ``noise_floor`` of their mean, so even plain decoding's constant yield
+    is re-checked). A speculative mode's yield varies from one token to a whole chain
+    per step: a few lucky or unlucky steps move its bound, not the decision. A mode
+    that measured slower runs again only once its old measurements have faded enough
+    that it might have become faster (a change of text, load or context length), so a
+    much slower mode costs a step now and then, and a mode that was close keeps being
+    compared. Steps with prefill chunks are not measured (their time is not the decoding
+    cost of any mode).
+
+    The non-tree modes do not run the drafter; the adapter feeds it the positions it
+    missed just before the next tree step, so its cache stays complete.
     """
 
-    probe_steps: int = 4
-    explore_every: int = 64
-    rate: float = 0.25
-    speculative_rate: dict[int, float] = field(default_factory=dict)
-    plain_rate: dict[int, float] = field(default_factory=dict)
-    measured: dict[tuple[int, bool], int] = field(default_factory=dict)
+    modes: tuple[StepMode, ...] = (StepMode.TREE, StepMode.PLAIN)
+    probe_steps: int = 1
+    window: float = 100.0
+    confidence: float = 2.0
+    noise_floor: float = 0.2
+    stats: dict[tuple[int, StepMode], _ModeStats] = field(default_factory=dict)
+    measured: dict[tuple[int, StepMode], int] = field(default_factory=dict)
     steps: int = 0
-    exploring_until: int = -1
 
     def __post_init__(self):
-        if self.probe_steps < 1 or self.explore_every <= self.probe_steps:
-            raise ValueError(f"ThroughputGuard needs probe_steps >= 1 and explore_every > "
-                             f"probe_steps, got {self.probe_steps}, {self.explore_every}")
-        if not 0.0 < self.rate <= 1.0:
-            raise ValueError(f"ThroughputGuard rate must be in (0, 1], got {self.rate}")
+        if self.probe_steps < 1 or self.window <= 1.0:
+            raise ValueError(f"ThroughputGuard needs probe_steps >= 1 and window > 1, got "
+                             f"{self.probe_steps}, {self.window}")
+        if self.confidence < 0 or self.noise_floor < 0:
+            raise ValueError(f"ThroughputGuard confidence and noise_floor must be >= 0, "
+                             f"got {self.confidence}, {self.noise_floor}")
+        if not self.modes or len(set(self.modes)) != len(self.modes):
+            raise ValueError(f"ThroughputGuard needs distinct modes, got {self.modes}")
 
     @staticmethod
     def bucket(batch: int) -> int:
         """Batch sizes are measured in power-of-two buckets (1, 2, 4, 8, ...)."""
         return 1 << max(batch - 1, 0).bit_length()
 
-    def preferred(self, batch: int) -> bool | None:
-        """True / False: speculating is / is not the faster mode at ``batch``; None: not
-        yet measured in both modes."""
-        batch = self.bucket(batch)
-        fast, slow = self.speculative_rate.get(batch), self.plain_rate.get(batch)
-        if fast is None or slow is None:
-            return None
-        return fast >= slow
+    def _stats(self, batch: int, mode: StepMode) -> _ModeStats | None:
+        stats = self.stats.get((self.bucket(batch), mode))
+        return None if stats is None else stats.decayed(self.steps, 1.0 - 1.0 / self.window)
 
-    def speculate(self, batch: int) -> bool:
+    def rate_of(self, batch: int, mode: StepMode) -> float | None:
+        """Measured tokens per second of ``mode`` at ``batch`` (None: not measured)."""
+        stats = self._stats(batch, mode)
+        return None if stats is None or stats.seconds <= 0 else stats.tokens / stats.seconds
+
+    def bound_of(self, batch: int, mode: StepMode) -> float | None:
+        """The rate ``mode`` could have at ``batch``: its upper confidence bound."""
+        stats = self._stats(batch, mode)
+        if stats is None or stats.seconds <= 0 or stats.weight <= 0:
+            return None
+        mean = stats.tokens / stats.weight
+        variance = max(stats.tokens_sq / stats.weight - mean * mean,
+                       (self.noise_floor * mean) ** 2)
+        return (stats.tokens + self.confidence * math.sqrt(variance * stats.weight)) \
+            / stats.seconds
+
+    @property
+    def rates(self) -> dict[tuple[int, StepMode], float]:
+        """Measured tokens per second per (batch bucket, mode)."""
+        return {(batch, mode): self.rate_of(batch, mode) for batch, mode in self.stats}
+
+    def preferred(self, batch: int) -> StepMode | None:
+        """The mode measured fastest at ``batch``; None until every mode was measured."""
+        rates = [self.rate_of(batch, mode) for mode in self.modes]
+        if any(rate is None for rate in rates):
+            return None
+        return self.modes[max(range(len(rates)), key=lambda i: rates[i])]
+
+    def choose(self, batch: int) -> StepMode:
         """The mode of the next step at ``batch`` requests."""
         self.steps += 1
-        batch = self.bucket(batch)
-        for mode in (True, False):  # first measure both modes
-            if self.measured.get((batch, mode), 0) < self.probe_steps:
+        bucket = self.bucket(batch)
+        for mode in self.modes:  # first measure every mode
+            if self.measured.get((bucket, mode), 0) < self.probe_steps:
                 return mode
-        best = self.preferred(batch)
-        if self.steps < self.exploring_until:
-            return not best
-        if self.steps % self.explore_every == 0:
-            self.exploring_until = self.steps + self.probe_steps
-            return not best
-        return best
+        bounds = [self.bound_of(batch, mode) for mode in self.modes]
+        return self.modes[max(range(len(bounds)), key=lambda i: bounds[i])]
 
-    def observe(self, speculated: bool, batch: int, tokens: int, seconds: float) -> None:
+    def observe(self, mode: StepMode, batch: int, tokens: int, seconds: float) -> None:
         """One decoding step (no prefill): ``tokens`` emitted by ``batch`` requests in
         ``seconds``, in the given mode."""
         if seconds <= 0 or batch <= 0:
             return
-        batch = self.bucket(batch)
-        rates = self.speculative_rate if speculated else self.plain_rate
-        rate = tokens / seconds
-        old = rates.get(batch)
-        rates[batch] = rate if old is None else (1 - self.rate) * old + self.rate * rate
-        self.measured[(batch, speculated)] = self.measured.get((batch, speculated), 0) + 1
+        key = (self.bucket(batch), mode)
+        stats = self._stats(batch, mode) or _ModeStats(step=self.steps)
+        self.stats[key] = _ModeStats(stats.weight + 1.0, stats.tokens + tokens,
+                                     stats.tokens_sq + tokens * tokens,
+                                     stats.seconds + seconds, self.steps)
+        self.measured[key] = self.measured.get(key, 0) + 1
 
 
 # ---- per step ---------------------------------------------------------------------------
@@ -365,15 +416,17 @@ class TreeSizer:
         return score if score is not None else torch.full(
             tree.tokens.shape, 0.5, dtype=torch.float64, device=tree.tokens.device)
 
-    def choose(self, tree: HybridTree, score: torch.Tensor | None = None) -> Choice:
+    def choose(self, tree: HybridTree, score: torch.Tensor | None = None,
+               overhead_ms: float | None = None) -> Choice:
         conditional = self.acceptance.conditional(tree.source, tree.depths,
                                                   self._score(tree, score))
         prob = path_probability(tree.parents, tree.depths, tree.valid, conditional)
-        return choose_nodes(prob, tree.valid, self.cost)
+        return choose_nodes(prob, tree.valid, self.cost, overhead_ms=overhead_ms)
 
-    def trim(self, tree: HybridTree, score: torch.Tensor | None = None
-             ) -> tuple[HybridTree, Choice]:
-        choice = self.choose(tree, score)
+    def trim(self, tree: HybridTree, score: torch.Tensor | None = None,
+             overhead_ms: float | None = None) -> tuple[HybridTree, Choice]:
+        """``overhead_ms``: the fixed cost of the step kind (default: tree steps')."""
+        choice = self.choose(tree, score, overhead_ms)
         return trim_tree(tree, choice.keep), choice
 
     def observe(self, tree: HybridTree, result: AcceptanceResult,

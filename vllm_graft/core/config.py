@@ -58,6 +58,22 @@ class TreeShape(str, Enum):
     DYNAMIC = "dynamic"
 
 
+class StepMode(str, Enum):
+    """What a decoding step costs and what it may gain (``graft.guard_modes``), dearest
+    first.
+
+    ``tree``: the drafter's hybrid tree (drafted, retrieved and copied nodes), verified
+    with tree attention. ``chain``: no drafter forward; a copy chain (copied context
+    continued by the successor matrix, :mod:`vllm_graft.core.chain`), verified with the
+    backend's own causal attention, at prompt lookup's cost. ``plain``: plain decoding.
+    With ``budget: "auto"`` the throughput guard runs each step in the listed mode
+    measured fastest."""
+
+    TREE = "tree"
+    CHAIN = "chain"
+    PLAIN = "plain"
+
+
 def resolve_tree_shape(setting: TreeShape | str, cuda_graphs_enabled: bool) -> TreeShape:
     """The shape in force: ``FIXED`` or ``DYNAMIC``, never ``AUTO``.
 
@@ -140,9 +156,13 @@ class ContextRetrievalConfig(BaseModel):
 
 
 def _expand_auto_budget(data: Any) -> Any:
-    """``budget: "auto"`` is the paper's budget as a cap, with per-step sizing on."""
-    if isinstance(data, dict) and data.get("budget") == "auto":
-        return {**data, "budget": PAPER_BUDGET, "auto_size": True}
+    """``budget: "auto"`` (the default) is the paper's budget as a cap, with per-step
+    sizing and the throughput guard on; a number is a fixed budget. An explicit
+    ``auto_size`` is kept (a config dumped with its every key reads back the same)."""
+    if not isinstance(data, dict):
+        return data
+    if data.get("budget", "auto") == "auto":
+        return {**data, "budget": PAPER_BUDGET, "auto_size": data.get("auto_size", True)}
     return data
 
 
@@ -169,7 +189,8 @@ class GraftConfig(BaseModel):
     variant: Variant = Variant.GRAFT
     drafter: str = Field("eagle3", pattern="^(eagle3|draft_model)$",
                          description="an EAGLE-3 head, or an ordinary draft model")
-    budget: int = Field(60, ge=1, le=256, description="candidate nodes per tree")
+    budget: int = Field(60, ge=1, le=256, description="candidate nodes per tree, or "
+                        "\"auto\" (the default): 60 as a cap, sized per step")
     top_k: int = Field(10, ge=1, le=64, description="drafter branching factor")
     max_depth: int = Field(7, ge=1, le=32, description="draft steps without pruning")
     checkpoints: tuple[int, ...] = PAPER_CHECKPOINTS
@@ -190,13 +211,30 @@ class GraftConfig(BaseModel):
         "budget; auto: fixed under CUDA graphs, dynamic in eager mode")
     auto_size: bool = Field(
         False, description="size each step's trees by measured cost and learned acceptance "
-        "(budget is the cap); budget: \"auto\" means budget 60 with this on")
+        "(budget is the cap); budget \"auto\", the default, means budget 60 with this on")
     auto_guard: bool = Field(
-        True, description="with budget \"auto\": decode plainly while plain decoding "
-        "measures faster than speculating (the throughput guard)")
+        True, description="with budget \"auto\": run each step as a Graft tree, a copy "
+        "chain or plain decoding, whichever measures fastest (the throughput guard)")
+    guard_modes: tuple[StepMode, ...] = Field(
+        (StepMode.TREE, StepMode.CHAIN, StepMode.PLAIN), min_length=1,
+        description="the modes the throughput guard chooses among, each step the one "
+        "measured fastest (a single mode: always that one)")
+    chain_tokens: int = Field(
+        8, ge=1, le=64, description="longest copy chain of the guard's chain mode "
+        "(copied context continued by the successor matrix, no drafter forward)")
+    chain_walk: int = Field(
+        3, ge=0, le=64, description="successor-matrix tokens a copy chain may add after its "
+        "copied part (all of it when the context has no match)")
     context: ContextRetrievalConfig | None = Field(
         None, description="copy continuations from the request's own context (prompt "
         "lookup); unset: on for the graft variant, off for the ablations")
+
+    @field_validator("guard_modes")
+    @classmethod
+    def _distinct_modes(cls, modes: tuple[StepMode, ...]) -> tuple[StepMode, ...]:
+        if len(set(modes)) != len(modes):
+            raise ValueError(f"each mode at most once, got {[m.value for m in modes]}")
+        return modes
 
     @field_validator("context", mode="before")
     @classmethod
@@ -274,6 +312,12 @@ class GraftConfig(BaseModel):
                 f"entries, got {len(self.rank_prior)}")
         if any(not 0.0 < p < 1.0 for p in self.rank_prior):
             raise ValueError(f"rank_prior entries must lie in (0, 1), got {list(self.rank_prior)}")
+        fields = type(self).model_fields
+        guard_keys = [key for key in ("chain_tokens", "chain_walk", "guard_modes")
+                      if getattr(self, key) != fields[key].default]
+        if guard_keys and not (self.auto_size and self.auto_guard):
+            raise ValueError(f"{', '.join(sorted(guard_keys))} configure the throughput "
+                             f"guard, which runs with budget \"auto\" (and auto_guard on)")
         return self
 
     @classmethod

@@ -316,6 +316,19 @@ class ContextIndex(_NgramIndex):
                     return matches, longest
         return matches, longest
 
+    def best_continuation(self, max_depth: int,
+                          shared: RecentOutputsIndex | None = None) -> list[int]:
+        """What followed the longest, most recent earlier occurrence of the suffix (in
+        this context first, then in ``shared``), at most ``max_depth`` tokens; empty
+        without a match. Prompt lookup's proposal, for copy chains."""
+        _check_at_least("max_depth", max_depth, 0)
+        if max_depth == 0 or not self._tokens:
+            return []
+        matches, _ = self._own_matches(1, max_depth)
+        if not matches and shared is not None:
+            matches = shared.matches(self._tokens[-shared.max_ngram:], 1, max_depth)
+        return list(matches[0][1]) if matches else []
+
     def propose(self, max_nodes: int, max_depth: int, max_matches: int,
                 shared: RecentOutputsIndex | None = None, *,
                 depth_decay: float = DEPTH_DECAY,

@@ -46,9 +46,13 @@ GRAFT_COUNTERS = {
     "auto_chosen_nodes": "Tree nodes budget \"auto\" chose to verify (the root excluded).",
     "auto_predicted_accepted_milli": "Accepted tokens budget \"auto\" predicted, in "
                                      "thousandths (compare with the accepted_* counters).",
-    "guard_speculative_steps": "Steps budget \"auto\"'s throughput guard ran speculatively.",
-    "guard_plain_steps": "Steps the throughput guard decoded plainly (speculation measured "
-                         "slower, or being re-measured).",
+    "guard_tree_steps": "Steps budget \"auto\"'s throughput guard ran with Graft trees.",
+    "guard_chain_steps": "Steps the throughput guard ran with copy chains (copied context "
+                         "continued by the successor matrix, no drafter).",
+    "guard_plain_steps": "Steps the throughput guard decoded plainly (the other modes "
+                         "measured slower, or being re-measured).",
+    "chains_built": "Copy chains proposed (the throughput guard's chain mode).",
+    "chain_nodes": "Nodes of copy chains (the root excluded).",
     "replaced_nodes": "Low-confidence drafted nodes that fixed-shape trees replaced "
                       "with retrieved ones.",
     "bookkeeping_us": "Microseconds of Graft's own work outside model forwards.",

@@ -227,8 +227,9 @@ def _patch_runner() -> list[Patch]:
                 from vllm_graft.vllm.cost_profile import load_or_measure
 
                 self.drafter.sizer = TreeSizer(load_or_measure(self))
-                if self.drafter.settings.config.auto_guard:
-                    self.drafter.guard = ThroughputGuard()
+                config = self.drafter.settings.config
+                if config.auto_guard:
+                    self.drafter.guard = ThroughputGuard(modes=config.guard_modes)
         return out
 
     def _update_states(self, scheduler_output, *args, **kwargs):

@@ -39,8 +39,9 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_graft.core.budget import Choice, ThroughputGuard, TreeSizer
-from vllm_graft.core.config import TreeShape
-from vllm_graft.core.context import (ContextIndex, ContextProposal, RecentOutputsIndex,
+from vllm_graft.core.chain import build_chains, copied_to_tensor
+from vllm_graft.core.config import StepMode, TreeShape
+from vllm_graft.core.context import (ContextIndex, RecentOutputsIndex,
                                      proposals_to_tensors)
 from vllm_graft.core.draft_tree import DraftStep
 from vllm_graft.core.graft import BuildStats, GraftTreeBuilder
@@ -151,10 +152,12 @@ class GraftTreeDrafting:
                            "hold budget nodes")
         self.sizer: TreeSizer | None = None
         self.last_choice: Choice | None = None
-        # budget "auto": speculate only while measurably faster (set with the sizer);
-        # ``speculating`` is the guard's mode for the step being scheduled
+        # budget "auto": each step runs the mode measured fastest (set with the sizer);
+        # ``mode`` is the guard's choice for the step being scheduled
         self.guard: ThroughputGuard | None = None
-        self.speculating = True
+        self.mode = StepMode.TREE
+        self.chain_tokens, self.chain_walk = config.chain_tokens, config.chain_walk
+        self.last_chains: tuple[int, int] | None = None  # chains built, their nodes
         # requests whose last tree was cut to nothing: steps since, while they skip drafting
         self.plain_steps: dict[str, int] = {}
         self.max_model_len = vllm_config.model_config.max_model_len
@@ -210,18 +213,20 @@ class GraftTreeDrafting:
         """Run catch-up and tree drafting; returns drafts in persistent-batch order."""
         req_ids = runner.input_batch.req_ids
         drafts: list[list[int]] = [[] for _ in req_ids]
-        self.last_build = None
+        self.last_build, self.last_chains, self.last_choice = None, None, None
         if not settled:
             return drafts
         uses_drafter = self.settings.config.variant.drafts  # retrieval_only does not
         catchup = None
         if uses_drafter:
             catchup = self._catch_up(runner, settled, aux_hidden_states,
-                                     defer=not self.speculating)
+                                     defer=self.mode is not StepMode.TREE)
         drafting = [i for i, s in enumerate(settled) if s.drafts]
         if not drafting:
             return drafts
         roots = torch.tensor([settled[i].next_tokens[-1] for i in drafting], dtype=torch.long)
+        if self.mode is StepMode.CHAIN:
+            return self._propose_chains(runner, settled, drafting, roots, drafts)
         expander = None
         if uses_drafter:
             last_rows, last_hidden, next_hidden = catchup
@@ -238,30 +243,63 @@ class GraftTreeDrafting:
                     self._block_table(runner)[batch_rows.to(self.device)]))
         context = None
         if self.uses_context:
-            proposals = [self._context_proposal(runner, settled[i]) for i in drafting]
+            config = self.context_config
+            proposals = [self._context_index(runner, settled[i]).propose(
+                max_nodes=config.max_nodes, max_depth=config.max_depth,
+                max_matches=config.max_matches, shared=self.shared_context,
+                lead_nodes=config.lead_nodes) for i in drafting]
             tokens, parents, depths, _ = proposals_to_tensors(
                 proposals, self.context_config.max_nodes, self.device)
             context = (tokens, parents, depths)
         tree, stats = self.tree_builder.build(roots.to(self.device), expander, context)
         self.last_build = stats
-        self.last_choice = None
         if self.sizer is not None:
             tree, self.last_choice = self.sizer.trim(tree)
         tree = tree.to("cpu")
         stages, confidence = stats.stage.tolist(), stats.confidence.cpu()
         for t, i in enumerate(drafting):
             req_id = req_ids[settled[i].batch_row]
-            n = int(tree.num_nodes[t])
-            pending = PendingTree(tree.tokens[t, :n].clone(), tree.parents[t, :n].clone(),
-                                  tree.depths[t, :n].clone(), tree.source[t, :n].clone(),
-                                  stages[t], confidence[t])
-            self.pending[req_id] = pending
-            drafts[settled[i].batch_row] = pending.tokens[1:].tolist()
+            n = self._schedule(tree, t, req_id, settled[i].batch_row, drafts,
+                               stages[t], confidence[t])
             if self.last_choice is not None:
                 if n == 1:  # nothing worth verifying: decode plainly for a while
                     self.plain_steps[req_id] = 1
                 else:
                     self.plain_steps.pop(req_id, None)
+        return drafts
+
+    def _schedule(self, tree, t: int, req_id: str, batch_row: int, drafts: list[list[int]],
+                  stage: int = -1, confidence: torch.Tensor | None = None) -> int:
+        """Keep row ``t`` of the (host) ``tree`` for verification and hand its nodes to
+        the scheduler as the request's draft tokens; returns its rows (root included)."""
+        n = int(tree.num_nodes[t])
+        pending = PendingTree(tree.tokens[t, :n].clone(), tree.parents[t, :n].clone(),
+                              tree.depths[t, :n].clone(), tree.source[t, :n].clone(),
+                              stage, confidence)
+        self.pending[req_id] = pending
+        drafts[batch_row] = pending.tokens[1:].tolist()
+        return n
+
+    def _propose_chains(self, runner, settled: list[SettledRows], drafting: list[int],
+                        roots: torch.Tensor, drafts: list[list[int]]) -> list[list[int]]:
+        """The guard's cheap tier: a copy chain per request (:mod:`vllm_graft.core.chain`),
+        no drafter forward."""
+        copied = [[] for _ in drafting]
+        if self.uses_context:
+            copied = [self._context_index(runner, settled[i]).best_continuation(
+                self.chain_tokens, self.shared_context) for i in drafting]
+        chains = build_chains(roots.to(self.device),
+                              copied_to_tensor(copied, self.chain_tokens, self.device),
+                              self.matrix, self.chain_tokens, self.chain_walk)
+        if self.sizer is not None:  # a chain step's own cost is what the guard measures
+            chains, _ = self.sizer.trim(chains, overhead_ms=0.0)
+        chains = chains.to("cpu")
+        req_ids = runner.input_batch.req_ids
+        nodes = 0
+        for t, i in enumerate(drafting):
+            nodes += self._schedule(chains, t, req_ids[settled[i].batch_row],
+                                    settled[i].batch_row, drafts) - 1
+        self.last_chains = (len(drafting), nodes)
         return drafts
 
     #: with budget "auto", a request whose tree was cut to nothing skips drafting (the
@@ -272,24 +310,25 @@ class GraftTreeDrafting:
         """A tree needs its rows (and the drafter's) to fit in the context, a request
         whose options depend on earlier tokens is decoded plainly, and so, for a while,
         is a request whose last tree budget "auto" found not worth verifying, and every
-        request while the throughput guard measures plain decoding faster."""
+        request while the throughput guard measures plain decoding fastest."""
         config = self.settings.config
-        if not self.speculating:
+        if self.mode is StepMode.PLAIN:
             return False
-        if root_position + max(config.budget, config.max_depth) + 1 > self.max_model_len:
+        if root_position + max(config.budget, config.max_depth, self.chain_tokens) + 1 \
+                > self.max_model_len:
             return False
         plain = self.plain_steps.get(req_state.req_id)
-        if plain is not None and plain < self.REPROBE_STEPS:
+        if self.mode is StepMode.TREE and plain is not None and plain < self.REPROBE_STEPS:
             self.plain_steps[req_state.req_id] = plain + 1
             return False
         return plain_decoding_reason(req_state.sampling_params,
                                      len(req_state.output_token_ids)) is None
 
-    def _context_proposal(self, runner, settled: SettledRows) -> ContextProposal:
-        """Continuations of the request's current suffix copied from its own prompt and
-        output (and recent outputs of others, when configured). The index grows by the
-        positions settled since the last call: everything up to this step's first
-        position is final in the runner's token table, the rest is ``next_tokens``."""
+    def _context_index(self, runner, settled: SettledRows) -> ContextIndex:
+        """The request's context index, brought up to its last settled token (the
+        source of its copied continuations). The index grows by the positions settled
+        since the last call: everything up to this step's first position is final in the
+        runner's token table, the rest is ``next_tokens``."""
         req_id = runner.input_batch.req_ids[settled.batch_row]
         index = self.context_indexes.get(req_id)
         first = settled.first_position
@@ -302,9 +341,7 @@ class GraftTreeDrafting:
             index.extend(runner.input_batch.token_ids_cpu[settled.batch_row,
                                                           len(index):first + 1].tolist())
         index.extend(settled.next_tokens)
-        return index.propose(max_nodes=config.max_nodes, max_depth=config.max_depth,
-                             max_matches=config.max_matches, shared=self.shared_context,
-                             lead_nodes=config.lead_nodes)
+        return index
 
     @staticmethod
     def _kv_layout(runner):
@@ -324,7 +361,7 @@ class GraftTreeDrafting:
         """Causal drafter forward over every settled position; returns (last row of each
         request in the catch-up batch, hidden for logits, hidden for the next step).
 
-        ``defer`` (the throughput guard's plain mode, where nothing is drafted): decode
+        ``defer`` (the throughput guard's chain and plain modes, no drafter): decode
         rows are not fed now but kept, and fed before the request's rows of the next
         speculative step, in the same forward; prefill chunks are fed at once. Returns
         None then."""

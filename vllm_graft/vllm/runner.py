@@ -32,6 +32,7 @@ import torch
 from vllm.v1.outputs import SamplerOutput
 
 from vllm_graft.core.acceptance import AcceptanceResult, walk_tree
+from vllm_graft.core.config import StepMode
 from vllm_graft.core.graft import accepted_by_source
 from vllm_graft.core.hybrid import SOURCE_PAD, HybridTree, ancestor_mask
 from vllm_graft.vllm.proposer import GraftProposer, PendingTree, SettledRows
@@ -231,7 +232,7 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
             for t in trees:
                 count = int(host.num_accepted[t.batch_row])
                 observer(t, host.accepted_rows[t.batch_row, :count].tolist())
-    if runner.drafter.speculating:  # the guard's plain mode skips the matrix update
+    if runner.drafter.mode is not StepMode.PLAIN:  # the guard's plain mode learns nothing
         _learn(runner, logits, spec_decode_metadata, starts, trees)
     logprobs = None
     if level_logprobs[0] is not None:
@@ -311,8 +312,8 @@ def _move_accepted_kv(runner, step: GraftStep, result: AcceptanceResult) -> None
 def settled_rows(runner, scheduler_output, sampled: torch.Tensor, step: GraftStep | None
                  ) -> list[SettledRows]:
     """For every request, the rows whose positions became final this step, with the
-    tokens that follow them (the drafter's shifted inputs)."""
-    proposer: GraftProposer = runner.drafter
+    tokens that follow them (the drafter's shifted inputs). ``drafts`` says only whether
+    the request may get drafts at all; :func:`_decide_drafting` settles it per mode."""
     batch = runner.input_batch
     by_row = set()
     if step is not None and step.result is not None:
@@ -339,13 +340,20 @@ def settled_rows(runner, scheduler_output, sampled: torch.Tensor, step: GraftSte
             next_tokens = token_ids[prefix + 1:prefix + real].tolist()
             next_tokens.append(int(token_ids[prefix + real]) if discarded
                                else int(sampled[row, 0]))
-        root_position = prefix + len(rows)
-        drafts_ok = not discarded and proposer.may_draft(runner.requests[req_id], root_position)
         out.append(SettledRows(batch_row=row, rows=rows, next_tokens=next_tokens,
                                first_position=prefix,
                                first_token=int(batch.token_ids_cpu[row, prefix]),
-                               drafts=drafts_ok))
+                               drafts=not discarded))
     return out
+
+
+def _decide_drafting(runner, settled: list[SettledRows]) -> None:
+    """Which settled requests get new drafts under the mode of the coming step."""
+    proposer: GraftProposer = runner.drafter
+    for s in settled:
+        req_id = runner.input_batch.req_ids[s.batch_row]
+        s.drafts = s.drafts and proposer.may_draft(runner.requests[req_id],
+                                                   s.first_position + len(s.rows))
 
 
 def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_states
@@ -355,14 +363,12 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
     runner._graft_step = None
     start = device_clock(runner.device)
     proposer.forward_timer.take_seconds()  # spans of earlier steps (e.g. dummy runs)
-    was_speculating = proposer.speculating
-    if proposer.guard is not None:
-        proposer.speculating = proposer.guard.speculate(len(scheduler_output.num_scheduled_tokens))
-        runner._graft_stats.counts[
-            "guard_speculative_steps" if proposer.speculating else "guard_plain_steps"] += 1
     settled = settled_rows(runner, scheduler_output, sampled_token_ids, step)
-    if proposer.guard is not None:
-        _observe_throughput(runner, scheduler_output, settled, was_speculating)
+    if proposer.guard is not None:  # this step's measurement first, then the next mode
+        _observe_throughput(runner, scheduler_output, settled, proposer.mode)
+        proposer.mode = proposer.guard.choose(len(scheduler_output.num_scheduled_tokens))
+        runner._graft_stats.counts[f"guard_{proposer.mode.value}_steps"] += 1
+    _decide_drafting(runner, settled)
     drafts = proposer.propose_trees(runner, scheduler_output, settled, aux_hidden_states)
     build = proposer.last_build
     stats: GraftStats = runner._graft_stats
@@ -372,6 +378,9 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
     stats.add_seconds("bookkeeping", end - start - forward_seconds)
     if build is not None:
         _count_build(stats, build, proposer.settings.config.checkpoints)
+    if proposer.last_chains is not None:
+        stats.counts["chains_built"] += proposer.last_chains[0]
+        stats.counts["chain_nodes"] += proposer.last_chains[1]
     choice = proposer.last_choice
     if choice is not None:
         # what speculating costs a step besides verification: drafting and bookkeeping
@@ -384,7 +393,7 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
 
 
 def _observe_throughput(runner, scheduler_output, settled: list[SettledRows],
-                        speculated: bool) -> None:
+                        mode: StepMode) -> None:
     """Time this engine step (from the last step's drafting to this one's) and count its
     emitted tokens, for the throughput guard; steps with prefill chunks are skipped.
     Feeding the drafter the positions deferred during plain steps is left out: that
@@ -398,7 +407,7 @@ def _observe_throughput(runner, scheduler_output, settled: list[SettledRows],
     if last is None or prefill or not settled:
         return
     tokens = sum(len(s.next_tokens) for s in settled)
-    runner.drafter.guard.observe(speculated, len(settled), tokens, now - last - flushed)
+    runner.drafter.guard.observe(mode, len(settled), tokens, now - last - flushed)
 
 
 #: BuildStats fields summed into the counter of the same meaning

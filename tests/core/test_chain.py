@@ -1,0 +1,127 @@
+"""Copy chains: the copied continuation first, the successor matrix's top-1 walk after
+it (bounded by ``max_walk``), a miss ends the chain; and prompt lookup's best
+continuation from the context index."""
+
+import random
+
+import pytest
+import torch
+
+from vllm_graft.core.chain import build_chains, copied_to_tensor
+from vllm_graft.core.context import ContextIndex, RecentOutputsIndex
+from vllm_graft.core.hybrid import SOURCE_CONTEXT, SOURCE_RETRIEVED
+from vllm_graft.core.successor import SuccessorMatrix
+
+VOCAB = 50
+
+
+def matrix_with(pairs: dict[int, int], backend: str = "compiled") -> SuccessorMatrix:
+    """Each token's top successor as given (ranks below it: a different token)."""
+    table = torch.full((VOCAB, 4), -1, dtype=torch.int32)
+    for token, following in pairs.items():
+        table[token, 0] = following
+        table[token, 1] = (following + 1) % VOCAB
+    return SuccessorMatrix(table, backend=backend)
+
+
+def reference_chain(root: int, copied: list[int], pairs: dict[int, int], length: int,
+                    max_walk: int | None) -> list[int]:
+    chain = [root] + copied[:length]
+    walked = 0
+    while len(chain) < length + 1 and (max_walk is None or walked < max_walk):
+        following = pairs.get(chain[-1])
+        if following is None:
+            break
+        chain.append(following)
+        walked += 1
+    return chain
+
+
+@pytest.mark.parametrize("backend", ["compiled", "reference"])
+def test_chain_copies_then_walks_the_matrix(backend):
+    matrix = matrix_with({5: 6, 6: 7, 7: 8, 8: 9, 3: 4}, backend)
+    copied = copied_to_tensor([[3], [], [11, 12, 13, 14, 15, 16]], 4)
+    chains = build_chains(torch.tensor([1, 5, 2]), copied, matrix, length=4)
+    assert chains.tokens.tolist() == [[1, 3, 4, -1, -1],  # copied 3, walked 4, then a miss
+                                      [5, 6, 7, 8, 9],  # no copy: the walk from the root
+                                      [2, 11, 12, 13, 14]]  # copied to the full length
+    c, r = SOURCE_CONTEXT, SOURCE_RETRIEVED
+    assert chains.source.tolist() == [[0, c, r, 0, 0], [0, r, r, r, r], [0, c, c, c, c]]
+    assert chains.num_nodes.tolist() == [3, 5, 5]
+    assert chains.parents[0].tolist() == [-1, 0, 1, -1, -1]
+    assert chains.depths[1].tolist() == [0, 1, 2, 3, 4]
+    assert chains.ancestor[0, 2].tolist() == [True, True, True, False, False]
+    assert not chains.ancestor[0, 3].any()  # padding sees nothing
+
+
+def test_max_walk_bounds_the_matrix_tail():
+    matrix = matrix_with({5: 6, 6: 7, 7: 8, 8: 9, 9: 10})
+    copied = copied_to_tensor([[], [20, 5]], 6)
+    chains = build_chains(torch.tensor([5, 1]), copied, matrix, length=6, max_walk=2)
+    assert chains.tokens.tolist() == [[5, 6, 7, -1, -1, -1, -1],
+                                      [1, 20, 5, 6, 7, -1, -1]]
+    none = build_chains(torch.tensor([5]), copied_to_tensor([[]], 6), matrix, 6, max_walk=0)
+    assert none.num_nodes.tolist() == [1]
+
+
+def test_random_chains_match_a_reference():
+    rng = random.Random(0)
+    for _ in range(50):
+        pairs = {rng.randrange(VOCAB): rng.randrange(VOCAB) for _ in range(30)}
+        matrix = matrix_with(pairs)
+        batch, length = rng.randint(1, 6), rng.randint(1, 10)
+        max_walk = rng.choice([None, 0, 1, 3])
+        roots = [rng.randrange(VOCAB) for _ in range(batch)]
+        copied = [[rng.randrange(VOCAB) for _ in range(rng.randint(0, 12))]
+                  for _ in range(batch)]
+        chains = build_chains(torch.tensor(roots), copied_to_tensor(copied, length), matrix,
+                              length, max_walk)
+        for b in range(batch):
+            want = reference_chain(roots[b], copied[b], pairs, length, max_walk)
+            n = int(chains.num_nodes[b])
+            assert chains.tokens[b, :n].tolist() == want
+            assert (chains.tokens[b, n:] == -1).all()
+
+
+def test_bad_shapes_are_refused():
+    matrix = matrix_with({})
+    with pytest.raises(ValueError, match="roots"):
+        build_chains(torch.tensor([[1]]), torch.zeros(1, 2, dtype=torch.long), matrix, 2)
+    with pytest.raises(ValueError, match="max_walk"):
+        build_chains(torch.tensor([1]), torch.zeros(1, 2, dtype=torch.long), matrix, 2, -1)
+
+
+def test_best_continuation_is_the_longest_then_most_recent_match():
+    index = ContextIndex(min_ngram=2, max_ngram=4)
+    #            0  1  2  3  4  5  6  7  8  9 10 11 12
+    index.extend([1, 2, 3, 4, 9, 2, 3, 5, 6, 1, 2, 3])
+    # suffix (1, 2, 3) occurs at 0..2 (followed by 4, 9, ...); (2, 3) also at 5..6
+    assert index.best_continuation(3) == [4, 9, 2]
+    index.extend([7])
+    assert index.best_continuation(4) == []  # (3, 7) never occurred before
+    assert index.best_continuation(0) == []
+    shared = RecentOutputsIndex(max_tokens=100, min_ngram=2, max_ngram=4)
+    shared.add([3, 7, 8, 8])
+    assert index.best_continuation(2, shared) == [8, 8]
+
+
+def test_the_sizer_cuts_chains_where_verifying_them_costs():
+    """Chains go through the same sizer as trees, charged no tree overhead: on a flat
+    cost curve every node is kept, on a steep one only the likely first ones."""
+    from vllm_graft.core.budget import AcceptanceModel, CostModel, TreeSizer
+
+    matrix = matrix_with({t: (t + 1) % VOCAB for t in range(VOCAB)})
+    chains = build_chains(torch.arange(4), copied_to_tensor([[9, 9, 9]] * 4, 8), matrix, 8)
+    acceptance = AcceptanceModel(prior_accepts=3.0, prior_trials=4.0)  # 3/4 per node
+    flat = CostModel(curves={1: ([1.0, 64.0], [10.0, 10.0])}, overhead_ms=50.0)
+    kept, _ = TreeSizer(flat, acceptance).trim(chains, overhead_ms=0.0)
+    assert kept.num_nodes.tolist() == [9] * 4
+    # the tree overhead would make the same chains not worth verifying at all
+    dropped, _ = TreeSizer(flat, acceptance).trim(chains)
+    assert dropped.num_nodes.tolist() == [1] * 4
+    steep = CostModel(curves={1: ([1.0, 64.0], [10.0, 100.0])})
+    cut, _ = TreeSizer(steep, acceptance).trim(chains, overhead_ms=0.0)
+    assert 1 < int(cut.num_nodes[0]) < 9
+    n = int(cut.num_nodes[0])
+    assert cut.tokens[0, :n].tolist() == chains.tokens[0, :n].tolist()  # a prefix
+    assert cut.parents[0, :n].tolist() == list(range(-1, n - 1))  # still a chain

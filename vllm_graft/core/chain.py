@@ -1,0 +1,67 @@
+"""Copy chains: Graft's cheapest speculative step.
+
+A copy chain is prompt lookup continued by retrieval: the continuation of the request's
+best suffix match in its own context, and from where that ends (or from the root when
+the context has no match) the successor matrix's top-1 walk, up to ``length`` tokens.
+No drafter forward and no tree: the backend verifies a chain with its own causal
+attention, so a chain step costs what a prompt-lookup step costs, and it still proposes
+something on text that copies nothing. The throughput guard
+(:class:`vllm_graft.core.budget.ThroughputGuard`) runs chain steps while they are
+measured faster than both full Graft trees and plain decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_graft.core.hybrid import SOURCE_CONTEXT, SOURCE_RETRIEVED, HybridTree
+from vllm_graft.core.successor import SuccessorMatrix
+
+
+def copied_to_tensor(copied: list[list[int]], length: int,
+                     device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[B, length]`` int64: each request's copied continuation cut to ``length``,
+    padded with -1. Built on the host and moved once."""
+    rows = [tokens[:length] + [-1] * (length - min(len(tokens), length)) for tokens in copied]
+    return torch.tensor(rows, dtype=torch.int64).reshape(len(copied), length).to(device)
+
+
+def build_chains(roots: torch.Tensor, copied: torch.Tensor, matrix: SuccessorMatrix,
+                 length: int, max_walk: int | None = None) -> HybridTree:
+    """One chain of up to ``length`` nodes under each root.
+
+    roots: ``[B]`` token ids; copied: ``[B, C]`` copied continuations, -1 padded (each a
+    prefix: no token after a -1). Node ``j`` is the copied token when there is one,
+    otherwise the top successor of node ``j - 1``, for at most ``max_walk`` nodes after
+    the copied ones (None: up to ``length``); a miss ends the chain. Sources:
+    ``SOURCE_CONTEXT`` for copied nodes, ``SOURCE_RETRIEVED`` for walked ones. Batched:
+    one matrix gather per chain position for the whole batch, no host read.
+    """
+    if length < 0 or (max_walk is not None and max_walk < 0):
+        raise ValueError(f"chain length and max_walk must be >= 0, got {length}, {max_walk}")
+    if roots.dim() != 1 or copied.dim() != 2 or copied.shape[0] != roots.shape[0]:
+        raise ValueError(f"build_chains needs roots [B] and copied [B, C], got "
+                         f"{tuple(roots.shape)} and {tuple(copied.shape)}")
+    batch, device = roots.shape[0], roots.device
+    tokens = torch.full((batch, length + 1), -1, dtype=torch.int64, device=device)
+    source = torch.zeros((batch, length + 1), dtype=torch.uint8, device=device)
+    tokens[:, 0] = roots
+    width = min(length, copied.shape[1])
+    tokens[:, 1:width + 1] = copied[:, :width].to(device)
+    source[:, 1:width + 1] = torch.where(copied[:, :width].to(device) >= 0,
+                                         SOURCE_CONTEXT, 0).to(torch.uint8)
+    walk_end = (tokens[:, 1:] >= 0).sum(1) + (length if max_walk is None else max_walk)
+    rank = torch.zeros(batch, dtype=torch.int64, device=device)
+    for j in range(1, length + 1):
+        walk = (tokens[:, j] < 0) & (j <= walk_end)
+        walked = matrix.gather(tokens[:, j - 1], rank).to(torch.int64)
+        tokens[:, j] = torch.where(walk, walked, tokens[:, j])
+        source[:, j] = torch.where(walk & (walked >= 0), SOURCE_RETRIEVED, source[:, j])
+    valid = tokens >= 0
+    rows = torch.arange(length + 1, device=device)
+    parents = torch.where(valid, rows - 1, -1).expand(batch, -1).contiguous()
+    depths = torch.where(valid, rows, 0).expand(batch, -1).contiguous()
+    ancestor = torch.tril(torch.ones(length + 1, length + 1, dtype=torch.bool, device=device))
+    ancestor = ancestor.unsqueeze(0) & valid.unsqueeze(1) & valid.unsqueeze(2)
+    return HybridTree(tokens=tokens, parents=parents, depths=depths, valid=valid,
+                      source=source, ancestor=ancestor, num_nodes=valid.sum(1))
