@@ -249,7 +249,7 @@ class GraftTreeDrafting:
                 max_matches=config.max_matches, shared=self.shared_context,
                 lead_nodes=config.lead_nodes) for i in drafting]
             tokens, parents, depths, _ = proposals_to_tensors(
-                proposals, self.context_config.max_nodes, self.device)
+                proposals, config.max_nodes, self.device)
             context = (tokens, parents, depths)
         tree, stats = self.tree_builder.build(roots.to(self.device), expander, context)
         self.last_build = stats

@@ -396,8 +396,8 @@ def _observe_throughput(runner, scheduler_output, settled: list[SettledRows],
                         mode: StepMode) -> None:
     """Time this engine step (from the last step's drafting to this one's) and count its
     emitted tokens, for the throughput guard; steps with prefill chunks are skipped.
-    Feeding the drafter the positions deferred during plain steps is left out: that
-    work belongs to the plain steps (it is what they put off)."""
+    Feeding the drafter the positions deferred during chain and plain steps is left
+    out: that work belongs to those steps (it is what they put off)."""
     now = time.perf_counter()
     last, runner._graft_step_clock = getattr(runner, "_graft_step_clock", None), now
     flushed, runner.drafter.flush_seconds = runner.drafter.flush_seconds, 0.0
