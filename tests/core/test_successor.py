@@ -111,3 +111,23 @@ def test_model_mismatch_and_missing_file(tmp_path):
 def test_bad_table_is_refused():
     with pytest.raises(ValueError, match="int32"):
         SuccessorMatrix(torch.zeros(4, 2, dtype=torch.int64))
+
+
+def test_tokenizer_fingerprint_mismatch_is_refused(tmp_path):
+    from vllm_graft.core.successor import TOKENIZER_FINGERPRINT_KEY
+
+    path = tmp_path / "m.bin"
+    _warm_matrix(vocab=1000, k=4).save(path, {TOKENIZER_FINGERPRINT_KEY: "a" * 64})
+    SuccessorMatrix.load(path, tokenizer_fingerprint="a" * 64)
+    SuccessorMatrix.load(path)  # no fingerprint to compare with: the size checks only
+    with pytest.raises(SuccessorFileError, match="m.bin.*learned with another tokenizer"):
+        SuccessorMatrix.load(path, tokenizer_fingerprint="b" * 64)
+
+
+def test_save_replaces_atomically_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "m.bin"
+    _warm_matrix(vocab=1000, k=4).save(path)
+    first = path.read_bytes()
+    SuccessorMatrix.empty(1000, 4).save(path)
+    assert path.read_bytes() != first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.bin"]

@@ -1,8 +1,9 @@
 """``vllm-graft serve`` with ``--speculative-config graft.json`` on 127.0.0.1: an
 OpenAI chat and a completion request answered, Graft's counters on ``/metrics`` (engine
 core and API server in separate processes, so the counters crossed the process
-boundary), every metric the Grafana dashboard queries among them, and the server
-stopped by its PID."""
+boundary), every metric the Grafana dashboard queries among them; malformed requests
+answered 4xx and a client gone mid-stream, with the server serving on; SIGTERM stops
+it cleanly and saves the successor state."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 from tests.cli.test_dashboard import dashboard_metric_names
 from tests.vllm.conftest import graft_spec
+from vllm_graft.core.successor import read_successor_file
 
 
 def _free_port() -> int:
@@ -39,9 +42,33 @@ def _post(url: str, body: dict, timeout: float = 120.0) -> dict:
         return json.loads(response.read())
 
 
+def _post_status(url: str, body: dict) -> tuple[int, str]:
+    try:
+        _post(url, body)
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+    return 200, ""
+
+
+def _disconnect_mid_stream(url: str, body: dict, chunks: int) -> int:
+    """Read ``chunks`` streamed lines of a completion, then hang up."""
+    request = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    response = urllib.request.urlopen(request, timeout=120)
+    read = 0
+    while read < chunks:
+        if response.readline().startswith(b"data: {"):
+            read += 1
+    response.close()
+    return read
+
+
 def test_serve_answers_and_exports_graft_metrics(tiny_models, tmp_path):
     config = tmp_path / "graft.json"
-    config.write_text(json.dumps(graft_spec(tiny_models.head, budget=16)))
+    state = tmp_path / "graft.sm"
+    config.write_text(json.dumps(graft_spec(
+        tiny_models.head, budget=16, isolation="global",
+        successor_state={"path": state.name, "save_every_s": 0})))
     port = _free_port()
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     log = open(tmp_path / "serve.log", "w")
@@ -72,6 +99,7 @@ def test_serve_answers_and_exports_graft_metrics(tiny_models, tmp_path):
             "model": str(tiny_models.target), "max_tokens": 32, "temperature": 0,
             "prompt": "for i in range(10):\n"})
         assert reply["choices"][0]["text"]
+        first_text = reply["choices"][0]["text"]
 
         _, metrics = _get(f"{base}/metrics")
         values = {m.group(1): float(m.group(2)) for m in re.finditer(
@@ -83,6 +111,24 @@ def test_serve_answers_and_exports_graft_metrics(tiny_models, tmp_path):
         exported = set(re.findall(r"^(vllm:\w+)\{", metrics, re.M))
         missing = dashboard_metric_names() - exported
         assert not missing, f"the dashboard queries metrics /metrics lacks: {sorted(missing)}"
+
+        completions = f"{base}/v1/completions"
+        model = str(tiny_models.target)
+        for bad in ({"model": model, "prompt": "x", "max_tokens": 10**9},
+                    {"model": model, "prompt": "x", "max_tokens": -3},
+                    {"model": model, "prompt": "", "max_tokens": 4},
+                    {"model": model, "prompt": "x", "temperature": "hot"},
+                    {"model": model, "prompt": "x", "vllm_xargs": {"graft_tenant": 5}},
+                    {"model": model, "prompt": "x", "vllm_xargs": {"graft_nope": "a"}}):
+            status, text = _post_status(completions, bad)
+            assert 400 <= status < 500, (bad, status, text)
+        for _ in range(3):
+            assert _disconnect_mid_stream(completions, {
+                "model": model, "prompt": "def f(x):", "max_tokens": 400,
+                "ignore_eos": True, "temperature": 0}, chunks=5) == 5
+        reply = _post(completions, {"model": model, "max_tokens": 32, "temperature": 0,
+                                    "prompt": "for i in range(10):\n"})
+        assert reply["choices"][0]["text"] == first_text  # serving on, greedy unchanged
     finally:
         os.kill(server.pid, signal.SIGTERM)
         try:
@@ -91,4 +137,7 @@ def test_serve_answers_and_exports_graft_metrics(tiny_models, tmp_path):
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
         log.close()
-    assert server.returncode is not None
+    assert server.returncode == 0, Path(tmp_path / "serve.log").read_text()[-3000:]
+    assert "successor state saved" in Path(tmp_path / "serve.log").read_text()
+    _, metadata = read_successor_file(state)
+    assert metadata["reason"] == "shutdown"

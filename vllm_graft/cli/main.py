@@ -24,6 +24,8 @@ COMMANDS = {
     "warmup": "run warm-up rounds and save the successor matrix",
     "calibrate": "fit the pruning thresholds and write the calibration file",
     "bench": "the side-by-side benchmark (Graft vs EAGLE-3, ngram, ablations)",
+    "bench-serve": "vLLM's load generator against a server (same arguments as "
+                   "`vllm bench serve`)",
 }
 _MODULES = {"generate": "generate", "prepare-models": "prepare", "train-head": "train_head",
             "warmup": "warmup", "calibrate": "calibrate", "bench": "bench"}
@@ -81,6 +83,14 @@ def serve(argv: list[str]) -> int:
     return vllm_main() or 0
 
 
+def bench_serve(argv: list[str]) -> int:
+    _fix_vllm_version_lookup()
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", "bench", "serve", *argv]
+    return vllm_main() or 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -91,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "serve":
         return serve(rest)
+    if command == "bench-serve":
+        return bench_serve(rest)
     if command in _MODULES:
         import importlib
 

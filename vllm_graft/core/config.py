@@ -8,8 +8,9 @@ never reaches the engine loop.
 
 from __future__ import annotations
 
+import os
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
                       model_validator)
@@ -155,6 +156,46 @@ class ContextRetrievalConfig(BaseModel):
         return self
 
 
+class SuccessorStateConfig(BaseModel):
+    """The ``graft.successor_state`` section: the successor matrix the engine learns
+    online survives restarts. At start-up the file at ``path`` is loaded when it exists
+    (it wins over ``warmup``; a file for another tokenizer, vocabulary or ``successor_k``,
+    or a truncated or corrupt one, stops start-up with an error naming it); the matrix is
+    written there every ``save_every_s`` seconds of serving (0: never periodically) and
+    when the engine shuts down, atomically, with a checksum, the format version and the
+    tokenizer's fingerprint. Only the first tensor-parallel rank writes (the ranks hold
+    identical matrices)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str = Field(min_length=1, description="the state file (created when missing)")
+    save_every_s: float = Field(
+        300.0, ge=0.0, description="seconds between periodic saves (0: only at shutdown)")
+
+
+class IsolationConfig(BaseModel):
+    """The ``graft.isolation`` section: who shares a successor matrix (see
+    :mod:`vllm_graft.core.isolation`). ``"isolation": "request"`` is short for
+    ``{"mode": "request"}``.
+
+    A shared matrix that learns online lets one tenant's text change another tenant's
+    latency (a timing side channel), so the default is ``tenant``: requests naming a
+    tenant (``tenant_field`` among the request's extra arguments, ``vllm_xargs`` in the
+    OpenAI API, where the ``user`` field is used when it is absent) get their tenant's
+    matrix; requests naming none share one. ``global`` shares one matrix among all, and
+    is the only mode whose matrix ``successor_state`` saves."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Literal["global", "tenant", "request"] = "tenant"
+    max_matrices: int = Field(
+        16, ge=1, le=4096, description="matrices held at once (tenant, request modes); "
+        "beyond, the least recently used idle one is reset for the newcomer")
+    tenant_field: str = Field(
+        "graft_tenant", min_length=1, max_length=64, pattern="^graft_[a-z0-9_]+$",
+        description="the request's extra argument that names its tenant")
+
+
 def _expand_auto_budget(data: Any) -> Any:
     """``budget: "auto"`` (the default) is the paper's budget as a cap, with per-step
     sizing and the throughput guard on; a number is a fixed budget. An explicit
@@ -225,6 +266,12 @@ class GraftConfig(BaseModel):
     chain_walk: int = Field(
         3, ge=0, le=64, description="successor-matrix tokens a copy chain may add after its "
         "copied part (all of it when the context has no match)")
+    successor_state: SuccessorStateConfig | None = Field(
+        None, description="file the learned successor matrix is loaded from at start-up and "
+        "saved to periodically and at shutdown; unset: it lives in memory only")
+    isolation: IsolationConfig = Field(
+        default_factory=IsolationConfig, description="who shares a successor matrix: "
+        "global, tenant (the default) or request")
     context: ContextRetrievalConfig | None = Field(
         None, description="copy continuations from the request's own context (prompt "
         "lookup); unset: on for the graft variant, off for the ablations")
@@ -240,6 +287,11 @@ class GraftConfig(BaseModel):
     @classmethod
     def _context_switch(cls, value: Any) -> Any:
         return {"enabled": value} if isinstance(value, bool) else value
+
+    @field_validator("isolation", mode="before")
+    @classmethod
+    def _isolation_shorthand(cls, value: Any) -> Any:
+        return {"mode": value} if isinstance(value, str) else value
 
     @model_validator(mode="before")
     @classmethod
@@ -312,6 +364,9 @@ class GraftConfig(BaseModel):
                 f"entries, got {len(self.rank_prior)}")
         if any(not 0.0 < p < 1.0 for p in self.rank_prior):
             raise ValueError(f"rank_prior entries must lie in (0, 1), got {list(self.rank_prior)}")
+        if self.successor_state is not None and self.isolation.mode != "global":
+            raise ValueError(f"successor_state saves one shared matrix: it needs isolation "
+                             f"'global' (isolation is {self.isolation.mode!r})")
         fields = type(self).model_fields
         guard_keys = [key for key in ("chain_tokens", "chain_walk", "guard_modes")
                       if getattr(self, key) != fields[key].default]
@@ -342,6 +397,12 @@ class GraftConfig(BaseModel):
     def context_settings(self) -> ContextRetrievalConfig:
         """The context section in force (its defaults when unset)."""
         return self.context if self.context is not None else ContextRetrievalConfig()
+
+    @property
+    def successor_state_file(self) -> str | None:
+        """The successor state file, when one is configured and exists already."""
+        state = self.successor_state
+        return state.path if state is not None and os.path.isfile(state.path) else None
 
     @property
     def uses_context(self) -> bool:

@@ -159,13 +159,16 @@ class GraftTreeBuilder:
         return self.config.budget + 1
 
     def build(self, root_tokens: torch.Tensor, drafter: Drafter | None = None,
-              context: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-              ) -> tuple[HybridTree, BuildStats]:
+              context: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+              partitions: torch.Tensor | None = None) -> tuple[HybridTree, BuildStats]:
         """root_tokens: [B] last accepted token of each request. context: nodes copied
         from each request's own context (:func:`vllm_graft.core.context.proposals_to_tensors`:
         tokens, parents, depths ``[B, n]``, -1 padded); they come first in the merge, so
-        the budget cut falls on the lowest-priority retrieved nodes."""
+        the budget cut falls on the lowest-priority retrieved nodes. partitions: [B] the
+        matrix partition each request retrieves from (:mod:`vllm_graft.core.isolation`;
+        ``None``: partition 0 for all)."""
         batch = root_tokens.shape[0]
+        matrix = self.matrix.for_batch(partitions)
         root_tokens = root_tokens.to(self.device).long()
         parts = []
         if context is not None:
@@ -195,7 +198,7 @@ class GraftTreeBuilder:
         if self.expander is not None:
             keep = self.retrieval_keep[draft.stage] if draft is not None \
                 else self.retrieval_keep[:1].expand(batch)
-            retrieved = self.expander.expand(self.matrix, root_tokens, keep)
+            retrieved = self.expander.expand(matrix, root_tokens, keep)
             parts.append((retrieved.tokens, retrieved.parents, retrieved.depths,
                           SOURCE_RETRIEVED))
             lookups = keep.clamp(max=self.expander.size)

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import struct
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -45,16 +46,26 @@ def _ops(backend: str):
 
 
 class SuccessorMatrix:
-    """Holds ``table`` (``[vocab, k]`` int32) and the ops that read and write it."""
+    """Holds ``table`` (``[vocab, k]`` int32) and the ops that read and write it.
 
-    def __init__(self, table: torch.Tensor, *, backend: str = "compiled", check: bool = True):
+    Isolated serving (:mod:`vllm_graft.core.isolation`) stacks several matrices in one
+    table, ``[partitions * vocab, k]``: partition ``p`` holds token ``t``'s successors in
+    row ``p * vocab + t``, so one op call still serves a whole batch whose requests read
+    different partitions (:meth:`for_batch`)."""
+
+    def __init__(self, table: torch.Tensor, *, backend: str = "compiled", check: bool = True,
+                 partitions: int = 1):
         """``check``: validate ids before each op. The CPU kernels always validate, so
         this only adds the facade's (device-syncing) check for tables on a GPU."""
         if table.dtype != torch.int32 or table.dim() != 2 or not table.is_contiguous():
             raise ValueError(
                 f"successor table must be a contiguous 2-D int32 tensor, got "
                 f"{table.dtype} of shape {tuple(table.shape)}")
+        if partitions < 1 or table.shape[0] % partitions:
+            raise ValueError(f"{table.shape[0]} table rows do not split into {partitions} "
+                             f"partitions")
         self.table = table
+        self.partitions = partitions
         self.backend = backend
         self.check = check and not table.is_cpu
         self._gather, self._update = _ops(backend)
@@ -69,7 +80,7 @@ class SuccessorMatrix:
 
     @property
     def vocab_size(self) -> int:
-        return self.table.shape[0]
+        return self.table.shape[0] // self.partitions
 
     @property
     def k(self) -> int:
@@ -98,11 +109,13 @@ class SuccessorMatrix:
             self._update(self.table, tokens, next_tokens)
 
     def update_from_logits_(self, tokens: torch.Tensor, logits: torch.Tensor,
-                            rows: torch.Tensor | None = None) -> None:
+                            rows: torch.Tensor | None = None,
+                            partitions: torch.Tensor | None = None) -> None:
         """Write the target's top-k at every verified node.
 
         tokens: [N] node tokens (-1 = padding, skipped by the update); logits: [R, vocab]
-        target logits; rows: [N] the row of ``logits`` at each node (default: row i).
+        target logits; rows: [N] the row of ``logits`` at each node (default: row i);
+        partitions: [N] the partition each node teaches (default: 0; -1: none).
         The top-k reads ``logits`` where it lies: gathering rows first would copy a
         vocabulary-wide tensor (and a boolean selection would also synchronise a GPU).
         """
@@ -111,11 +124,46 @@ class SuccessorMatrix:
         next_tokens = torch.topk(logits, self.k, dim=-1, sorted=True).indices
         if rows is not None:
             next_tokens = next_tokens[rows]
+        if partitions is not None:
+            tokens = self.partition_rows(tokens, partitions)
         self.update_(tokens, next_tokens)
+
+    # ---- partitions (isolated serving) ------------------------------------------------
+    def partition_rows(self, tokens: torch.Tensor, partitions: torch.Tensor) -> torch.Tensor:
+        """Table rows of ``tokens`` in ``partitions`` (same shape, or broadcastable);
+        token -1 or partition -1 give -1, which the ops read as empty and never write."""
+        rows = tokens + partitions * self.vocab_size
+        return torch.where((tokens >= 0) & (partitions >= 0), rows, EMPTY)
+
+    def for_batch(self, partitions: torch.Tensor | None) -> SuccessorMatrix | BatchView:
+        """The matrix as the requests of one batch see it: ``partitions[b]`` is the
+        partition request ``b`` reads (``None``: this matrix, every request in
+        partition 0)."""
+        return self if partitions is None else BatchView(self, partitions)
+
+    def resize_partitions_(self, partitions: int) -> None:
+        """Grow (or shrink) to ``partitions`` stacked matrices; new ones start empty."""
+        if partitions < 1:
+            raise ValueError(f"partitions must be >= 1, got {partitions}")
+        rows = partitions * self.vocab_size
+        if rows > self.table.shape[0]:
+            grown = torch.full((rows, self.k), EMPTY, dtype=torch.int32,
+                               device=self.table.device)
+            grown[:self.table.shape[0]] = self.table
+            self.table = grown
+        else:
+            self.table = self.table[:rows].contiguous()
+        self.partitions = partitions
+
+    def partition(self, index: int) -> torch.Tensor:
+        """The ``[vocab, k]`` rows of one partition (a view: writes go to the table)."""
+        return self.table[index * self.vocab_size:(index + 1) * self.vocab_size]
 
     # ---- persistence ------------------------------------------------------------------
     def save(self, path: str | os.PathLike, metadata: dict[str, Any] | None = None) -> int:
         """Write touched rows only; returns the file size in bytes."""
+        if self.partitions != 1:
+            raise ValueError("only a single (global) successor matrix can be saved")
         rows = self.touched_rows()
         payload = (rows.to(torch.int32).cpu().numpy().astype("<i4").tobytes()
                    + self.table[rows].cpu().numpy().astype("<i4").tobytes())
@@ -129,28 +177,74 @@ class SuccessorMatrix:
         }
         header_bytes = json.dumps(header, sort_keys=True).encode()
         path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(FILE_MAGIC + _HEADER_LEN.pack(len(header_bytes)) + header_bytes + payload)
-        os.replace(tmp, path)  # never leave a half-written matrix behind
+        # a private temporary file, flushed to disk, then renamed over the old one: a
+        # crash or a second writer never leaves a half-written matrix behind
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.",
+                                         suffix=".tmp", delete=False) as f:
+            try:
+                f.write(FILE_MAGIC + _HEADER_LEN.pack(len(header_bytes)) + header_bytes
+                        + payload)
+                f.flush()
+                os.fsync(f.fileno())
+            except BaseException:
+                os.unlink(f.name)
+                raise
+        os.replace(f.name, path)
         return path.stat().st_size
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, vocab_size: int | None = None,
-             k: int | None = None, device: torch.device | str = "cpu",
-             backend: str = "compiled") -> SuccessorMatrix:
+             k: int | None = None, tokenizer_fingerprint: str | None = None,
+             device: torch.device | str = "cpu", backend: str = "compiled") -> SuccessorMatrix:
         """Read a file written by :meth:`save`; checks format, checksum and id ranges.
 
-        ``vocab_size`` / ``k`` given: the file must match them (a matrix warmed on
-        another tokenizer would retrieve nonsense).
+        ``vocab_size`` / ``k`` / ``tokenizer_fingerprint`` given: the file must match them
+        (a matrix warmed on another tokenizer would retrieve nonsense).
         """
-        table, _ = read_successor_file(path, vocab_size=vocab_size, k=k)
+        table, _ = read_successor_file(path, vocab_size=vocab_size, k=k,
+                                       tokenizer_fingerprint=tokenizer_fingerprint)
         return cls(table.to(device), backend=backend)
 
 
+class BatchView:
+    """A :class:`SuccessorMatrix` seen by one batch whose requests read different
+    partitions: ``gather`` takes ids flattened from ``[B, ...]`` tensors in batch-major
+    order (as the template expansion and copy chains pass them), so element ``i``
+    belongs to request ``i // (n / B)``."""
+
+    def __init__(self, matrix: SuccessorMatrix, partitions: torch.Tensor):
+        self.matrix = matrix
+        self.partitions = partitions.to(matrix.table.device, torch.long)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.matrix.vocab_size
+
+    @property
+    def k(self) -> int:
+        return self.matrix.k
+
+    def gather(self, parent_tokens: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+        batch = self.partitions.numel()
+        if parent_tokens.numel() % max(batch, 1):
+            raise ValueError(f"{parent_tokens.numel()} ids do not split over a batch of "
+                             f"{batch} requests")
+        per_request = self.partitions.repeat_interleave(parent_tokens.numel() // max(batch, 1))
+        rows = self.matrix.partition_rows(parent_tokens.long(), per_request)
+        return self.matrix.gather(rows.to(parent_tokens.dtype), ranks)
+
+
+#: metadata key of the fingerprint of the tokenizer whose ids the matrix holds
+TOKENIZER_FINGERPRINT_KEY = "tokenizer_fingerprint"
+
+
 def read_successor_file(path: str | os.PathLike, *, vocab_size: int | None = None,
-                        k: int | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Return ``(table [vocab, k] int32 on CPU, metadata)``; every error names the file."""
+                        k: int | None = None, tokenizer_fingerprint: str | None = None
+                        ) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Return ``(table [vocab, k] int32 on CPU, metadata)``; every error names the file.
+
+    ``tokenizer_fingerprint`` given: a file that records another tokenizer's is refused
+    (two tokenizers with equal vocabulary sizes still map ids to different text)."""
     import numpy as np
 
     path = Path(path)
@@ -183,6 +277,14 @@ def read_successor_file(path: str | os.PathLike, *, vocab_size: int | None = Non
         raise fail(f"vocab_size {file_vocab} does not match the model's {vocab_size}")
     if k is not None and file_k != k:
         raise fail(f"k {file_k} does not match successor_k {k}")
+    metadata = header.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise fail("header field 'metadata' is not a JSON object")
+    recorded = metadata.get(TOKENIZER_FINGERPRINT_KEY)
+    if tokenizer_fingerprint is not None and recorded is not None \
+            and recorded != tokenizer_fingerprint:
+        raise fail(f"it was learned with another tokenizer (fingerprint {str(recorded)[:12]}, "
+                   f"this model's is {tokenizer_fingerprint[:12]})")
     payload = data[prefix + header_len:]
     expected = 4 * num_rows * (1 + file_k)
     if len(payload) != expected:
@@ -197,4 +299,4 @@ def read_successor_file(path: str | os.PathLike, *, vocab_size: int | None = Non
         raise fail("successor ids outside [-1, vocab_size)")
     table = torch.full((file_vocab, file_k), EMPTY, dtype=torch.int32)
     table[torch.from_numpy(rows)] = torch.from_numpy(values.astype(np.int32))
-    return table, header.get("metadata") or {}
+    return table, metadata

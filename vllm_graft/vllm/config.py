@@ -16,7 +16,10 @@ file stops start-up with a message that names it.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +28,8 @@ from typing import Any
 from vllm_graft.core.calibration import fingerprint_model, load_calibration
 from vllm_graft.core.config import GraftConfig, GraftConfigError, TreeShape, resolve_tree_shape
 from vllm_graft.core.successor import read_successor_file
+
+logger = logging.getLogger(__name__)
 
 GRAFT_METHOD = "graft"
 ADDITIONAL_CONFIG_KEY = "graft"
@@ -73,6 +78,10 @@ def _resolve_relative_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
         for key in _FILE_KEYS:
             if isinstance(graft.get(key), str) and not os.path.isabs(graft[key]):
                 graft[key] = str(base / graft[key])
+        state = graft.get("successor_state")
+        if isinstance(state, dict) and isinstance(state.get("path"), str) \
+                and not os.path.isabs(state["path"]):
+            graft["successor_state"] = {**state, "path": str(base / state["path"])}
         data["graft"] = graft
     model = data.get("model")
     if isinstance(model, str) and not os.path.isabs(model) and (base / model).exists():
@@ -85,7 +94,8 @@ def is_graft_spec(spec: Any) -> bool:
 
 
 def translate_speculative_config(spec: dict[str, Any], *, target_model: str | None = None,
-                                 target_vocab_size: int | None = None
+                                 target_vocab_size: int | None = None,
+                                 target_tokenizer: str | None = None
                                  ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split a Graft speculative config into (vLLM's EAGLE-3 config, the graft block).
 
@@ -116,8 +126,18 @@ def translate_speculative_config(spec: dict[str, Any], *, target_model: str | No
     for key in _FILE_KEYS:
         if key in settings:
             settings[key] = str(Path(settings[key]).resolve())
+    if config.successor_state is not None:
+        state_path = Path(config.successor_state.path).expanduser().resolve()
+        if not state_path.parent.is_dir():
+            raise GraftConfigError(f"speculative_config.graft.successor_state.path: folder "
+                                   f"{str(state_path.parent)!r} does not exist")
+        if state_path.is_dir():
+            raise GraftConfigError(f"speculative_config.graft.successor_state.path: "
+                                   f"{str(state_path)!r} is a folder, not a file")
+        settings["successor_state"]["path"] = str(state_path)
+        config = GraftConfig.from_dict(settings, where="speculative_config.graft")
     check_files(config, target_model=target_model, drafter_model=spec["model"],
-                target_vocab_size=target_vocab_size)
+                target_vocab_size=target_vocab_size, target_tokenizer=target_tokenizer)
     spec.update(method="eagle3" if config.drafter == "eagle3" else "draft_model",
                 num_speculative_tokens=config.budget)
     return spec, settings
@@ -130,8 +150,10 @@ def _local_fingerprint(model: str | None) -> str | None:
 
 
 def check_files(config: GraftConfig, *, target_model: str | None, drafter_model: str | None,
-                target_vocab_size: int | None) -> tuple[float, ...] | None:
-    """Validate the calibration and warm-up files; returns calibrated thresholds."""
+                target_vocab_size: int | None, target_tokenizer: str | None = None
+                ) -> tuple[float, ...] | None:
+    """Validate the calibration, warm-up and successor state files; returns calibrated
+    thresholds. ``target_tokenizer``: the target's tokenizer (default: its model)."""
     calibrated = None
     if config.calibration is not None:
         calibration = load_calibration(
@@ -139,9 +161,30 @@ def check_files(config: GraftConfig, *, target_model: str | None, drafter_model:
             target_fingerprint=_local_fingerprint(target_model),
             drafter_fingerprint=_local_fingerprint(drafter_model))
         calibrated = calibration.thresholds
-    if config.warmup is not None:
-        read_successor_file(config.warmup, vocab_size=target_vocab_size, k=config.successor_k)
+    files = [path for path in (config.warmup, config.successor_state_file) if path]
+    tokenizer = target_tokenizer or target_model
+    fingerprint = tokenizer_fingerprint(tokenizer) if files and tokenizer else None
+    for path in files:
+        read_successor_file(path, vocab_size=target_vocab_size, k=config.successor_k,
+                            tokenizer_fingerprint=fingerprint)
     return calibrated
+
+
+@functools.lru_cache(maxsize=8)
+def tokenizer_fingerprint(tokenizer: str, trust_remote_code: bool = False) -> str | None:
+    """SHA-256 of the tokenizer's token-to-id map, so that a successor matrix learned
+    with one tokenizer is never loaded for another with the same vocabulary size.
+    ``None`` when the tokenizer cannot be loaded here (the size checks still apply)."""
+    try:
+        from transformers import AutoTokenizer
+
+        vocab = AutoTokenizer.from_pretrained(
+            tokenizer, trust_remote_code=trust_remote_code).get_vocab()
+    except Exception as err:  # no tokenizer files, a remote-code tokenizer, ...
+        logger.warning("Graft: no tokenizer fingerprint for %s (%s)", tokenizer, err)
+        return None
+    text = json.dumps(sorted(vocab.items()), ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def cuda_graphs_enabled(vllm_config) -> bool:
@@ -178,7 +221,8 @@ class GraftSettings:
         calibrated = check_files(
             config, target_model=vllm_config.model_config.model,
             drafter_model=spec.model if spec is not None else None,
-            target_vocab_size=vllm_config.model_config.get_vocab_size())
+            target_vocab_size=vllm_config.model_config.get_vocab_size(),
+            target_tokenizer=getattr(vllm_config.model_config, "tokenizer", None))
         return cls(config=config, thresholds=config.effective_thresholds(calibrated),
                    tree_shape=resolve_tree_shape(config.tree_shape,
                                                  cuda_graphs_enabled(vllm_config)))

@@ -561,6 +561,24 @@ FINGERPRINTS: tuple[Fingerprint, ...] = (
         params=('self', 'grammar_output'),
     ),
     Fingerprint(
+        'vllm.entrypoints.openai.chat_completion.protocol', 'ChatCompletionRequest.to_sampling_params',
+        patched_by='graft.openai_user.ChatCompletionRequest',
+        why='wrapped: the user field becomes the tenant of graft.isolation',
+        params=('self', 'max_tokens', 'default_sampling_params'),
+    ),
+    Fingerprint(
+        'vllm.entrypoints.openai.completion.protocol', 'CompletionRequest.to_sampling_params',
+        patched_by='graft.openai_user.CompletionRequest',
+        why='wrapped: the user field becomes the tenant of graft.isolation',
+        params=('self', 'max_tokens', 'default_sampling_params'),
+    ),
+    Fingerprint(
+        'vllm.v1.worker.gpu_model_runner', 'GPUModelRunner.shutdown',
+        patched_by='graft.runner',
+        why='wrapped: the successor state is saved before the runner releases its memory',
+        params=('self',),
+    ),
+    Fingerprint(
         'vllm.v1.worker.gpu_model_runner', 'GPUModelRunner._dummy_run',
         patched_by=None,
         why='called with a token count to measure the cost profile of budget "auto"',

@@ -10,8 +10,9 @@ through the general-plugin entry point.
 |---|---|---|
 | 1 | ``engine.arg_utils.EngineArgs.create_speculative_config`` | translate ``method: graft`` |
 | 2 | ``engine.arg_utils.EngineArgs.add_cli_args`` | ``--speculative-config`` takes a file |
-| 2b | ``sampling_params.SamplingParams._validate_spec_decode`` | allow min_p, logit_bias; refuse thinking budgets |
+| 2b | ``sampling_params.SamplingParams._validate_spec_decode`` | allow min_p, logit_bias; refuse thinking budgets; check Graft request fields (400) |
 | 2c | ``config.VllmConfig.use_v2_model_runner`` | Graft engines use the V1 runner |
+| 2d | ``entrypoints.openai.{chat_completion,completion}.protocol.*Request.to_sampling_params`` | the OpenAI ``user`` field names the tenant (``graft.isolation``) |
 | 3 | ``v1.worker.gpu_model_runner.GPUModelRunner.__init__`` | GraftProposer as drafter |
 | 3b | ``v1.worker.gpu_model_runner.build_logitsprocs`` | built-in logits processors on |
 | 4 | ``GPUModelRunner.initialize_kv_cache`` | start-up checks of tree attention |
@@ -21,7 +22,8 @@ through the general-plugin entry point.
 | 8 | ``GPUModelRunner._sample`` | lossless tree acceptance, KV move, matrix update |
 | 9 | ``GPUModelRunner._input_fits_in_drafter`` | per-request fit is Graft's job |
 | 10 | ``GPUModelRunner.propose_draft_token_ids`` | catch-up + tree drafting |
-| 11 | ``GPUModelRunner.sample_tokens`` | ship Graft counters with the output |
+| 11 | ``GPUModelRunner.sample_tokens`` | ship Graft counters with the output; periodic successor-state save |
+| 11b | ``GPUModelRunner.shutdown`` | save the successor state (``graft.successor_state``) |
 | 12 | ``v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward`` (on GPUs: the ``forward`` of the attention implementation in use, patched when the KV cache is created) | tree mask |
 | 13 | ``v1.core.sched.scheduler.Scheduler.update_from_output`` / ``make_stats`` | sum counters |
 | 14 | ``v1.engine.EngineCoreOutputs.__annotations__`` (``scheduler_stats``) | carry counters |
@@ -40,6 +42,30 @@ logger = logging.getLogger(__name__)
 
 #: set on the SpeculativeConfig of a Graft engine (it says ``eagle3`` to vLLM)
 GRAFT_MARKER = "graft_enabled"
+#: set beside it: the request extra argument that names a request's tenant
+TENANT_FIELD_ATTR = "graft_tenant_field"
+#: the tenant field of the Graft engine this front end created (empty: none)
+_FRONT_END_TENANT_FIELD: list[str] = []
+GRAFT_REQUEST_PREFIX = "graft_"
+MAX_TENANT_LENGTH = 256
+
+
+def validate_graft_request_fields(extra_args: dict | None, tenant_field: str) -> None:
+    """A request's Graft fields (its extra arguments named ``graft_*``): only the tenant
+    field exists, and it holds a short non-empty string. Checked in the front end,
+    so a bad request gets a 400 and never reaches the engine."""
+    from vllm.exceptions import VLLMValidationError
+
+    for key, value in (extra_args or {}).items():
+        if not key.startswith(GRAFT_REQUEST_PREFIX):
+            continue
+        if key != tenant_field:
+            raise VLLMValidationError(f"unknown Graft request field {key!r} (Graft reads "
+                                      f"{tenant_field!r} only)", parameter=key, value=value)
+        if not isinstance(value, str) or not 1 <= len(value) <= MAX_TENANT_LENGTH:
+            raise VLLMValidationError(
+                f"{key} must be a non-empty string of at most {MAX_TENANT_LENGTH} "
+                f"characters", parameter=key, value=value)
 
 
 _V1_RUNNER_LOGGED: list[bool] = []
@@ -72,6 +98,21 @@ def refuse_kv_sharing(layers: dict) -> None:
                          f"cache: {', '.join(sharing[:4])}{' ...' if len(sharing) > 4 else ''}")
 
 
+#: seconds vLLM lets the engine process shut down when Graft saves state at shutdown
+STATE_SAVE_SHUTDOWN_S = 10
+
+
+def keep_shutdown_grace(engine_args) -> None:
+    """vLLM's default ``--shutdown-timeout 0`` kills the engine process right after
+    SIGTERM, before the model runner's shutdown could save the successor state. With
+    ``graft.successor_state`` the engine gets a few seconds (in-flight requests drain
+    for at most that long, then the state is saved)."""
+    if not getattr(engine_args, "shutdown_timeout", None):
+        logger.warning("Graft: --shutdown-timeout %d s, so that the successor state is saved "
+                       "at shutdown", STATE_SAVE_SHUTDOWN_S)
+        engine_args.shutdown_timeout = STATE_SAVE_SHUTDOWN_S
+
+
 # ---- 1, 2: configuration ----------------------------------------------------------------
 def _patch_engine_args() -> list[Patch]:
     from vllm.config import VllmConfig
@@ -91,7 +132,8 @@ def _patch_engine_args() -> list[Patch]:
             refuse_kv_transfer(self)
             eagle_spec, settings = translate_speculative_config(
                 spec, target_model=target_model_config.model,
-                target_vocab_size=target_model_config.get_vocab_size())
+                target_vocab_size=target_model_config.get_vocab_size(),
+                target_tokenizer=target_model_config.tokenizer)
             self.speculative_config = eagle_spec
             self.additional_config = {**(self.additional_config or {}),
                                       ADDITIONAL_CONFIG_KEY: settings}
@@ -102,6 +144,8 @@ def _patch_engine_args() -> list[Patch]:
                 logger.warning("Graft: asynchronous scheduling turned off (tree "
                                "verification needs each step's result before the next)")
             self.async_scheduling = False
+            if "successor_state" in settings:
+                keep_shutdown_grace(self)
             from vllm.platforms import current_platform
 
             if not current_platform.is_cpu() and not self.enforce_eager:
@@ -112,8 +156,12 @@ def _patch_engine_args() -> list[Patch]:
                 target_model_config.enforce_eager = True
         config = call_original(EngineArgs, "create_speculative_config")(
             self, target_model_config, target_parallel_config)
-        if config is not None and ADDITIONAL_CONFIG_KEY in (self.additional_config or {}):
+        graft = (self.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+        if config is not None and graft is not None:
+            tenant_field = graft["isolation"]["tenant_field"]
             object.__setattr__(config, GRAFT_MARKER, True)
+            object.__setattr__(config, TENANT_FIELD_ATTR, tenant_field)
+            _FRONT_END_TENANT_FIELD[:] = [tenant_field]
         return config
 
     def spec_config_type(value: str):
@@ -135,6 +183,8 @@ def _patch_engine_args() -> list[Patch]:
         # vLLM refuses min_p and logit_bias because its chain rejection sampler skips
         # them at draft positions; Graft samples every tree node with the full sampler.
         if getattr(speculative_config, GRAFT_MARKER, False):
+            validate_graft_request_fields(self.extra_args,
+                                          getattr(speculative_config, TENANT_FIELD_ATTR))
             if self.thinking_token_budget is not None:
                 # vLLM's thinking-budget forcing assumes one sampler row per draft token
                 raise VLLMValidationError(
@@ -166,6 +216,27 @@ def _patch_engine_args() -> list[Patch]:
               {"use_v2_model_runner": property(use_v2_model_runner)},
               must_exist=frozenset({"use_v2_model_runner"})),
     ]
+
+
+# ---- 2d: the OpenAI ``user`` field names the tenant ---------------------------------------
+def _patch_openai_user() -> list[Patch]:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    def wrap(cls):
+        def to_sampling_params(self, *args, **kwargs):
+            params = call_original(cls, "to_sampling_params")(self, *args, **kwargs)
+            field = _FRONT_END_TENANT_FIELD[0] if _FRONT_END_TENANT_FIELD else None
+            user = getattr(self, "user", None)
+            if field and user is not None and field not in (params.extra_args or {}):
+                params.extra_args = {**(params.extra_args or {}), field: user}
+            return params
+
+        return Patch(f"graft.openai_user.{cls.__name__}", cls,
+                     {"to_sampling_params": to_sampling_params},
+                     must_exist=frozenset({"to_sampling_params"}))
+
+    return [wrap(ChatCompletionRequest), wrap(CompletionRequest)]
 
 
 # ---- 3-11: the V1 model runner ----------------------------------------------------------
@@ -285,7 +356,14 @@ def _patch_runner() -> list[Patch]:
             counts = self._graft_stats.take()
             if counts:
                 output.graft_stats = counts
+            if self.drafter.state_keeper is not None:
+                self.drafter.state_keeper.maybe_save()
         return output
+
+    def shutdown(self, *args, **kwargs):
+        if on(self) and self.drafter.state_keeper is not None:
+            self.drafter.state_keeper.save("shutdown")
+        return call_original(cls, "shutdown")(self, *args, **kwargs)
 
     def build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model,
                           custom_logitsprocs=(), *args, **kwargs):
@@ -305,7 +383,7 @@ def _patch_runner() -> list[Patch]:
 
     names = ["__init__", "initialize_kv_cache", "_update_states", "_prepare_inputs",
              "_model_forward", "_sample", "_input_fits_in_drafter", "propose_draft_token_ids",
-             "sample_tokens"]
+             "sample_tokens", "shutdown"]
     local = locals()
     return [Patch("graft.runner", cls, {name: local[name] for name in names},
                   must_exist=frozenset(names)),
@@ -388,8 +466,8 @@ def _patch_metrics() -> list[Patch]:
 
 def all_patches() -> list[Patch]:
     """Every patch, in the order they are applied."""
-    return [*_patch_engine_args(), *_patch_runner(), *_patch_cpu_attention(),
-            *_patch_metrics()]
+    return [*_patch_engine_args(), *_patch_openai_user(), *_patch_runner(),
+            *_patch_cpu_attention(), *_patch_metrics()]
 
 
 def apply_all() -> int:

@@ -15,9 +15,22 @@ import logging
 logger = logging.getLogger(__name__)
 
 
+def route_logs_through_vllm() -> None:
+    """Graft's log lines go where vLLM's go, in vLLM's format and level (its start-up
+    and shutdown INFO lines included), unless the user configured ``vllm_graft``'s
+    logger already."""
+    ours, theirs = logging.getLogger("vllm_graft"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level)
+
+
 def register() -> None:
     from vllm_graft.vllm.version import check_vllm_version
 
+    route_logs_through_vllm()
     check_vllm_version()
     from vllm_graft.vllm.fingerprints import verify_installed_vllm
 

@@ -46,10 +46,14 @@ from vllm_graft.core.context import (ContextIndex, RecentOutputsIndex,
 from vllm_graft.core.draft_tree import DraftStep
 from vllm_graft.core.graft import BuildStats, GraftTreeBuilder
 from vllm_graft.core.hybrid import ancestor_ids
+from vllm_graft.core.isolation import IsolationMode, MatrixPartitions
 from vllm_graft.core.successor import SuccessorMatrix
 from vllm_graft.vllm.config import GraftSettings
 from vllm_graft.vllm.sampling import plain_decoding_reason
+from vllm_graft.vllm.successor_state import (SuccessorStateKeeper, is_state_writer,
+                                             matrix_metadata)
 from vllm_graft.vllm.timing import SpanTimer
+from vllm_graft.vllm.tp_agreement import agree
 from vllm_graft.vllm.tree_attention import (TreeAttentionPlan, TreeKVStore, TreeRequestPlan,
                                             active_plan)
 
@@ -134,15 +138,28 @@ class GraftTreeDrafting:
         self.settings = settings
         config = settings.config
         vocab_size = vllm_config.model_config.get_vocab_size()
-        if config.warmup is not None:
-            matrix = SuccessorMatrix.load(config.warmup, vocab_size=vocab_size,
+        # the saved state holds what the warm-up taught and what serving taught since
+        source = config.successor_state_file or config.warmup
+        if source is not None:  # checked against the tokenizer by GraftSettings
+            matrix = SuccessorMatrix.load(source, vocab_size=vocab_size,
                                           k=config.successor_k, device=device,
                                           backend=config.ops_backend)
+            logger.info("Graft: successor matrix from %s (%d rows)", source,
+                        int(matrix.touched_rows().numel()))
         else:
             matrix = SuccessorMatrix.empty(vocab_size, config.successor_k, device=device,
                                            backend=config.ops_backend)
+        self.state_keeper: SuccessorStateKeeper | None = None
+        if config.successor_state is not None:
+            self.state_keeper = SuccessorStateKeeper(
+                config.successor_state, lambda: self.matrix, matrix_metadata(vllm_config),
+                writer=is_state_writer(vllm_config))
         self.tree_builder = GraftTreeBuilder(config, matrix, settings.thresholds, device,
                                              tree_shape=settings.tree_shape)
+        # which matrix partition each request reads and teaches (graft.isolation)
+        self.isolation = MatrixPartitions(IsolationMode(config.isolation.mode), matrix,
+                                          config.isolation.max_matrices)
+        self.tenant_field = config.isolation.tenant_field
         self.pending: dict[str, PendingTree] = {}
         self.last_build: BuildStats | None = None
         # budget "auto": the sizer exists once the runner measured the cost profile
@@ -194,10 +211,33 @@ class GraftTreeDrafting:
         finally:
             self.num_speculative_tokens = saved
 
+    def partitions(self, runner, req_ids: list[str]) -> torch.Tensor | None:
+        """[B] the successor-matrix partition of each request (assigned at first sight
+        from its tenant); ``None`` while every request reads the one matrix."""
+        for req_id in req_ids:
+            if req_id not in self.isolation.partition_of:
+                extra = runner.requests[req_id].sampling_params.extra_args or {}
+                tenant = extra.get(self.tenant_field)
+                self.isolation.assign(req_id, None if tenant is None else str(tenant))
+        if self.matrix.partitions == 1 and all(
+                self.isolation.partition_of.get(r) == 0 for r in req_ids):
+            return None
+        return self.isolation.partitions(req_ids, self.device)
+
+    def request_state_counts(self) -> dict[str, int]:
+        """How many requests each per-request table holds (all zero once the batch has
+        emptied: a finished, aborted or preempted request leaves nothing behind)."""
+        return {"pending_trees": len(self.pending), "plain_steps": len(self.plain_steps),
+                "deferred_rows": len(self.deferred),
+                "context_indexes": len(self.context_indexes),
+                "prompt_lengths": len(self.prompt_lengths),
+                "matrix_partitions": len(self.isolation.partition_of)}
+
     def forget(self, req_ids, finished=()) -> None:
         """Drop the state of requests that left the batch; the outputs of ``finished``
         ones feed the cross-request context index when it is on."""
         for req_id in req_ids:
+            self.isolation.release(req_id)
             self.pending.pop(req_id, None)
             self.plain_steps.pop(req_id, None)
             self.deferred.pop(req_id, None)
@@ -251,11 +291,13 @@ class GraftTreeDrafting:
             tokens, parents, depths, _ = proposals_to_tensors(
                 proposals, config.max_nodes, self.device)
             context = (tokens, parents, depths)
-        tree, stats = self.tree_builder.build(roots.to(self.device), expander, context)
+        partitions = self.partitions(runner, [req_ids[settled[i].batch_row] for i in drafting])
+        tree, stats = self.tree_builder.build(roots.to(self.device), expander, context,
+                                              partitions)
         self.last_build = stats
         if self.sizer is not None:
             tree, self.last_choice = self.sizer.trim(tree)
-        tree = tree.to("cpu")
+        tree = agree(tree.to("cpu"))  # the ranks of a tensor-parallel engine verify one tree
         stages, confidence = stats.stage.tolist(), stats.confidence.cpu()
         for t, i in enumerate(drafting):
             req_id = req_ids[settled[i].batch_row]
@@ -288,13 +330,15 @@ class GraftTreeDrafting:
         if self.uses_context:
             copied = [self._context_index(runner, settled[i]).best_continuation(
                 self.chain_tokens, self.shared_context) for i in drafting]
+        req_ids = runner.input_batch.req_ids
+        matrix = self.matrix.for_batch(
+            self.partitions(runner, [req_ids[settled[i].batch_row] for i in drafting]))
         chains = build_chains(roots.to(self.device),
                               copied_to_tensor(copied, self.chain_tokens, self.device),
-                              self.matrix, self.chain_tokens, self.chain_walk)
+                              matrix, self.chain_tokens, self.chain_walk)
         if self.sizer is not None:  # a chain step's own cost is what the guard measures
             chains, _ = self.sizer.trim(chains, overhead_ms=0.0)
-        chains = chains.to("cpu")
-        req_ids = runner.input_batch.req_ids
+        chains = agree(chains.to("cpu"))
         nodes = 0
         for t, i in enumerate(drafting):
             nodes += self._schedule(chains, t, req_ids[settled[i].batch_row],

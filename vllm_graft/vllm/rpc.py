@@ -15,13 +15,30 @@ def _proposer(worker):
 
 
 def save_successor_matrix(worker, path: str, metadata: dict) -> dict | None:
-    """Rank 0 writes the file (tensor-parallel ranks hold bit-identical matrices)."""
+    """Rank 0 writes the file (tensor-parallel ranks hold bit-identical matrices), with
+    the tokenizer's fingerprint added to ``metadata``."""
+    from vllm_graft.vllm.successor_state import matrix_metadata
+
     if getattr(worker, "rank", 0) != 0:
         return None
     drafter = _proposer(worker)
+    metadata = {**matrix_metadata(worker.vllm_config), **metadata}
     size = drafter.matrix.save(path, metadata)
     return {"bytes": size, "rows": int(drafter.matrix.touched_rows().numel()),
             "memory_bytes": drafter.matrix.nbytes}
+
+
+def request_state_counts(worker) -> dict[str, int]:
+    """Per-request tables of the Graft proposer and how many requests each holds."""
+    return _proposer(worker).request_state_counts()
+
+
+def matrix_digest(worker) -> str:
+    """SHA-256 of this rank's successor matrix (ranks must agree)."""
+    import hashlib
+
+    table = _proposer(worker).matrix.table
+    return hashlib.sha256(table.cpu().numpy().tobytes()).hexdigest()
 
 
 def start_tree_recording(worker) -> None:
@@ -54,5 +71,5 @@ def _record(tree, accepted_rows: list[int]) -> None:
     _RECORDS.append({"req_id": tree.req_id, "position": tree.prefix_len,
                      "depths": pending.depths.tolist(), "source": pending.source.tolist(),
                      "stage": pending.stage, "confidence": confidence,
-                     "accepted_rows": accepted_rows,
+                     "tokens": pending.tokens.tolist(), "accepted_rows": accepted_rows,
                      "accepted_tokens": pending.tokens[accepted_rows].tolist()})

@@ -36,6 +36,7 @@ from vllm_graft.core.config import StepMode
 from vllm_graft.core.graft import accepted_by_source
 from vllm_graft.core.hybrid import SOURCE_PAD, HybridTree, ancestor_mask
 from vllm_graft.vllm.proposer import GraftProposer, PendingTree, SettledRows
+from vllm_graft.vllm.tp_agreement import agree
 from vllm_graft.vllm.timing import device_clock
 from vllm_graft.vllm.tree_attention import (TreeAttentionPlan, TreeRequestPlan, kv_reader,
                                             read_slots)
@@ -277,8 +278,12 @@ def _learn(runner, logits, spec_decode_metadata, starts, trees) -> None:
             row = starts[b:b + 1]
             rows.append(row)
             tokens.append(input_ids[spec_decode_metadata.logits_indices[row]].long())
-    rows = torch.cat(rows)
-    runner.drafter.matrix.update_from_logits_(torch.cat(tokens), logits, rows)
+    drafter = runner.drafter
+    partitions = drafter.partitions(runner, runner.input_batch.req_ids[:starts.numel()])
+    if partitions is not None:  # each request teaches its own matrix (graft.isolation)
+        counts = torch.tensor([r.numel() for r in rows], device=partitions.device)
+        partitions = partitions.repeat_interleave(counts)
+    drafter.matrix.update_from_logits_(torch.cat(tokens), logits, torch.cat(rows), partitions)
 
 
 def _move_accepted_kv(runner, step: GraftStep, result: AcceptanceResult) -> None:
@@ -366,7 +371,8 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
     settled = settled_rows(runner, scheduler_output, sampled_token_ids, step)
     if proposer.guard is not None:  # this step's measurement first, then the next mode
         _observe_throughput(runner, scheduler_output, settled, proposer.mode)
-        proposer.mode = proposer.guard.choose(len(scheduler_output.num_scheduled_tokens))
+        # every rank must draft (or not) alike: the first rank's timing decides
+        proposer.mode = agree(proposer.guard.choose(len(scheduler_output.num_scheduled_tokens)))
         runner._graft_stats.counts[f"guard_{proposer.mode.value}_steps"] += 1
     _decide_drafting(runner, settled)
     drafts = proposer.propose_trees(runner, scheduler_output, settled, aux_hidden_states)

