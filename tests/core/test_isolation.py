@@ -54,10 +54,10 @@ def test_only_a_single_matrix_is_saved(tmp_path):
 def test_tenants_get_their_own_seeded_matrix():
     matrix = _seeded()
     iso = MatrixPartitions(IsolationMode.TENANT, matrix, max_matrices=4)
+    assert matrix.partitions == 4  # allocated up front
     assert iso.assign("r1", "acme") == 0 and iso.assign("r2", "acme") == 0
     assert iso.assign("r3", "globex") == 1 and iso.assign("r4", None) == 2
-    assert iso.assign("r1", "other") == 0  # fixed for the request's lifetime
-    assert matrix.partitions == 3
+    assert iso.assign("r1", "other") == 0  # fixed while the request runs
     for p in range(3):  # each starts as the seed
         assert torch.equal(matrix.partition(p), matrix.partition(0))
     matrix.update_from_logits_(torch.tensor([1]), _logits_for(42, 1),
@@ -71,6 +71,7 @@ def test_least_recently_used_idle_tenant_is_evicted_and_reset():
     assert iso.assign("a1", "a") == 0 and iso.assign("b1", "b") == 1
     matrix.partition(0)[9] = 33  # tenant a learned something
     assert iso.assign("c1", "c") == NO_PARTITION  # both held by running requests
+    assert iso.refusals == 1
     iso.release("a1")
     assert iso.assign("c2", "c") == 0  # a was idle: evicted, its matrix reset
     assert (matrix.partition(0)[9] == EMPTY).all() and iso.evictions == 1
@@ -114,3 +115,11 @@ def test_tree_builder_retrieves_from_each_requests_partition():
     assert int(tree.num_nodes[0]) == 1  # partition 0 knows nothing after 7
     assert set(tree.tokens[1, 1:5].tolist()) == {20, 21, 22, 23}
     assert stats.retrieval_hits.tolist()[0] == 0
+
+
+def test_cross_request_context_needs_global_isolation():
+    from vllm_graft.core.config import GraftConfig, GraftConfigError
+
+    with pytest.raises(GraftConfigError, match="cross_request .* needs isolation 'global'"):
+        GraftConfig.from_dict({"context": {"cross_request": True}})
+    GraftConfig.from_dict({"context": {"cross_request": True}, "isolation": "global"})

@@ -131,3 +131,14 @@ def test_save_replaces_atomically_and_leaves_no_temporary(tmp_path):
     SuccessorMatrix.empty(1000, 4).save(path)
     assert path.read_bytes() != first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.bin"]
+
+
+def test_saved_file_gets_the_usual_permissions(tmp_path):
+    """As ``open()`` would create it (the temporary file it replaces is private)."""
+    import stat
+
+    from vllm_graft.core import successor
+
+    path = tmp_path / "m.bin"
+    _warm_matrix().save(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~successor._UMASK

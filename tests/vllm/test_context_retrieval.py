@@ -73,7 +73,7 @@ def test_context_on_ablation_variants_only_when_named(tiny_models, plain_outputs
 def test_cross_request_index_is_bounded_and_lossless(tiny_models, plain_outputs):
     from vllm import SamplingParams
 
-    spec = graft_spec(tiny_models.head, budget=16,
+    spec = graft_spec(tiny_models.head, budget=16, isolation="global",
                       context={"cross_request": True, "cross_request_tokens": 64})
     with running_llm(tiny_models.target, spec) as llm:
         assert_greedy_identical(llm, PROMPTS, plain_outputs, MAX_TOKENS)

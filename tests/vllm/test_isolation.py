@@ -69,7 +69,9 @@ def test_a_batch_mixing_tenants_stays_greedy_identical(tiny_models, mode):
         outputs = llm.generate(prompts, [_sampling(t) for t in tenants], use_tqdm=False)
         assert [list(o.outputs[0].token_ids) for o in outputs] == expected
         llm.llm_engine.step()  # the step after the last finish tells the runner
-        assert llm.collective_rpc(request_state_counts)[0]["matrix_partitions"] == 0
+        counts = llm.collective_rpc(request_state_counts)[0]
+        assert counts["matrix_partitions"] == 0
+        assert counts["matrix_refusals"] > 0  # some requests really went without
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -108,3 +110,8 @@ def test_openai_user_field_names_the_tenant(tiny_models):
         assert chat.to_sampling_params(4, {}).extra_args == {"graft_tenant": "team-1"}
         anonymous = CompletionRequest(model="m", prompt="x")
         assert not anonymous.to_sampling_params(4).extra_args
+        assert not CompletionRequest(model="m", prompt="x", user="").to_sampling_params(
+            4).extra_args
+        long_user = CompletionRequest(model="m", prompt="x", user="u" * 1000)
+        tenant = long_user.to_sampling_params(4).extra_args["graft_tenant"]
+        assert tenant.startswith("user-sha256:") and len(tenant) <= 256

@@ -20,6 +20,13 @@ from vllm_graft.vllm.successor_state import SuccessorStateKeeper
 PROMPTS = ["def fib(n):", "The capital of France is", "for i in range(10):\n"]
 
 
+def flush_successor_state(worker) -> None:
+    """Wait for a periodic save's background write (runs in the worker)."""
+    from vllm_graft.vllm.rpc import _proposer
+
+    _proposer(worker).state_keeper.flush()
+
+
 def _digest(table: torch.Tensor) -> str:
     import hashlib
 
@@ -84,7 +91,8 @@ def test_keeper_saves_on_its_period_only_as_the_writer(tmp_path, caplog):
     keeper.maybe_save()
     assert keeper.saves == 0
     now[0] = 10.0
-    keeper.maybe_save()
+    keeper.maybe_save()  # written on a background thread
+    keeper.flush()
     assert keeper.saves == 1
     _, metadata = read_successor_file(tmp_path / "s.sm")
     assert metadata["reason"] == "periodic" and metadata["k"] == 1
@@ -130,6 +138,7 @@ def test_periodic_saves_while_serving(tiny_models, tmp_path):
     with running_llm(tiny_models.target, _state_spec(tiny_models, path, save_every_s=1e-6)) \
             as llm:
         llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        llm.collective_rpc(flush_successor_state)
         assert read_successor_file(path)[1]["reason"] == "periodic"
 
 

@@ -3,7 +3,11 @@
 plain decoding at TP=1, trees verified, and every rank's trees and successor matrix
 identical after every step. Agreement is structural (the first rank decides each
 step's mode and trees, :mod:`vllm_graft.vllm.tp_agreement`): a rank whose matrix is
-forced to differ still verifies the first rank's trees, and the output stays exact."""
+forced to differ still verifies the first rank's trees, and the output stays exact.
+The recorded trees agree by construction (they are recorded after the broadcast); what
+a broken agreement changes is the output, the matrices and, first of all, liveness:
+with the broadcast switched off, ranks that chose different modes hung in their
+collectives until vLLM's RPC timeout (hence the per-test timeout)."""
 
 from __future__ import annotations
 

@@ -189,8 +189,8 @@ class IsolationConfig(BaseModel):
 
     mode: Literal["global", "tenant", "request"] = "tenant"
     max_matrices: int = Field(
-        16, ge=1, le=4096, description="matrices held at once (tenant, request modes); "
-        "beyond, the least recently used idle one is reset for the newcomer")
+        16, ge=1, le=256, description="matrices allocated at start-up (tenant, request "
+        "modes); beyond, the least recently used idle one is reset for the newcomer")
     tenant_field: str = Field(
         "graft_tenant", min_length=1, max_length=64, pattern="^graft_[a-z0-9_]+$",
         description="the request's extra argument that names its tenant")
@@ -364,6 +364,11 @@ class GraftConfig(BaseModel):
                 f"entries, got {len(self.rank_prior)}")
         if any(not 0.0 < p < 1.0 for p in self.rank_prior):
             raise ValueError(f"rank_prior entries must lie in (0, 1), got {list(self.rank_prior)}")
+        if self.uses_context and self.context_settings.cross_request \
+                and self.isolation.mode != "global":
+            raise ValueError(f"context.cross_request copies from every request's outputs: "
+                             f"it needs isolation 'global' (isolation is "
+                             f"{self.isolation.mode!r})")
         if self.successor_state is not None and self.isolation.mode != "global":
             raise ValueError(f"successor_state saves one shared matrix: it needs isolation "
                              f"'global' (isolation is {self.isolation.mode!r})")

@@ -9,10 +9,12 @@ changes. Matrices are stacked partitions of one table
 (:class:`~vllm_graft.core.successor.SuccessorMatrix`), so a batch mixing tenants still
 costs one op call per retrieval level.
 
-At most ``max_matrices`` exist. A new tenant (or request) takes a free partition, else
-the least recently used one no running request holds (reset to the seed first); when
-every partition is held, the request runs without retrieval (drafted and copied nodes
-only), never with another tenant's matrix.
+All ``max_matrices`` partitions are allocated at start-up (before vLLM sizes its KV
+cache from the memory left, so they never fail an engine step later). A new tenant (or
+request) takes a free partition, else the least recently used one no running request
+holds (reset to the seed first); when every partition is held, the request runs without
+retrieval (drafted and copied nodes only), never with another tenant's matrix, and asks
+again at its next step.
 """
 
 from __future__ import annotations
@@ -54,14 +56,17 @@ class MatrixPartitions:
         self.owner_of: OrderedDict[str, int] = OrderedDict()  # owner -> partition, LRU first
         self.partition_of: dict[str, int] = {}  # request -> partition
         self.holders: dict[int, set[str]] = {}  # partition -> requests using it
-        self.evictions = 0
+        self.evictions = 0  # idle owners whose matrix went to a newcomer
+        self.refusals = 0  # steps a request ran without a matrix (all were held)
         if self.mode is not IsolationMode.GLOBAL:
-            self.matrix.resize_partitions_(1)
+            self.matrix.resize_partitions_(self.max_matrices)
             self.matrix.partition(0).copy_(self.seed)
 
     def assign(self, req_id: str, tenant: str | None = None) -> int:
-        """The partition of ``req_id``: fixed for its lifetime once it has one; a
-        request that got none (every partition busy) asks again at its next step."""
+        """The partition of ``req_id``: fixed while the request stays in the batch once
+        it has one (a preempted request is released, and assigned again when it resumes:
+        in ``request`` mode a fresh matrix); a request that got none (every partition
+        busy) asks again at its next step."""
         if req_id in self.partition_of:
             return self.partition_of[req_id]
         if self.mode is IsolationMode.GLOBAL:
@@ -70,7 +75,9 @@ class MatrixPartitions:
             owner = f"request:{req_id}" if self.mode is IsolationMode.REQUEST \
                 else f"tenant:{tenant or ''}"
             partition = self._partition_of_owner(owner)
-        if partition != NO_PARTITION:
+        if partition == NO_PARTITION:
+            self.refusals += 1
+        else:
             self.partition_of[req_id] = partition
             self.holders.setdefault(partition, set()).add(req_id)
         return partition
@@ -104,9 +111,6 @@ class MatrixPartitions:
         free = [p for p in range(self.matrix.partitions) if p not in used]
         if free:
             partition = free[0]
-        elif self.matrix.partitions < self.max_matrices:
-            partition = self.matrix.partitions
-            self.matrix.resize_partitions_(partition + 1)
         else:
             idle = [o for o, p in self.owner_of.items() if not self.holders.get(p)]
             if not idle:

@@ -18,6 +18,7 @@ import json
 import os
 import struct
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -162,35 +163,17 @@ class SuccessorMatrix:
     # ---- persistence ------------------------------------------------------------------
     def save(self, path: str | os.PathLike, metadata: dict[str, Any] | None = None) -> int:
         """Write touched rows only; returns the file size in bytes."""
+        return self.snapshot().write(path, metadata)
+
+    def snapshot(self) -> MatrixSnapshot:
+        """The touched rows, copied to the host (the file's payload, written later)."""
         if self.partitions != 1:
             raise ValueError("only a single (global) successor matrix can be saved")
         rows = self.touched_rows()
-        payload = (rows.to(torch.int32).cpu().numpy().astype("<i4").tobytes()
-                   + self.table[rows].cpu().numpy().astype("<i4").tobytes())
-        header = {
-            "format_version": FILE_FORMAT_VERSION,
-            "vocab_size": self.vocab_size,
-            "k": self.k,
-            "num_rows": int(rows.numel()),
-            "sha256": hashlib.sha256(payload).hexdigest(),
-            "metadata": metadata or {},
-        }
-        header_bytes = json.dumps(header, sort_keys=True).encode()
-        path = Path(path)
-        # a private temporary file, flushed to disk, then renamed over the old one: a
-        # crash or a second writer never leaves a half-written matrix behind
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.",
-                                         suffix=".tmp", delete=False) as f:
-            try:
-                f.write(FILE_MAGIC + _HEADER_LEN.pack(len(header_bytes)) + header_bytes
-                        + payload)
-                f.flush()
-                os.fsync(f.fileno())
-            except BaseException:
-                os.unlink(f.name)
-                raise
-        os.replace(f.name, path)
-        return path.stat().st_size
+        return MatrixSnapshot(
+            vocab_size=self.vocab_size, k=self.k,
+            rows=rows.to(torch.int32).cpu().numpy().astype("<i4"),
+            values=self.table[rows].cpu().numpy().astype("<i4"))
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, vocab_size: int | None = None,
@@ -204,6 +187,63 @@ class SuccessorMatrix:
         table, _ = read_successor_file(path, vocab_size=vocab_size, k=k,
                                        tokenizer_fingerprint=tokenizer_fingerprint)
         return cls(table.to(device), backend=backend)
+
+
+@dataclass(frozen=True)
+class MatrixSnapshot:
+    """A matrix's touched rows on the host, ready to be written (possibly from another
+    thread while the engine goes on)."""
+
+    vocab_size: int
+    k: int
+    rows: Any  # [num_rows] little-endian int32 (numpy)
+    values: Any  # [num_rows, k] little-endian int32 (numpy)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    def write(self, path: str | os.PathLike, metadata: dict[str, Any] | None = None) -> int:
+        """Write the file atomically; returns its size in bytes."""
+        payload = self.rows.tobytes() + self.values.tobytes()
+        header = {
+            "format_version": FILE_FORMAT_VERSION,
+            "vocab_size": self.vocab_size,
+            "k": self.k,
+            "num_rows": self.num_rows,
+            "sha256": hashlib.sha256(payload).hexdigest(),
+            "metadata": metadata or {},
+        }
+        header_bytes = json.dumps(header, sort_keys=True).encode()
+        path = Path(path)
+        # a private temporary file, flushed to disk, then renamed over the old one: a
+        # crash or a second writer never leaves a half-written matrix behind
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.",
+                                         suffix=".tmp", delete=False) as f:
+            try:
+                f.write(FILE_MAGIC + _HEADER_LEN.pack(len(header_bytes)) + header_bytes
+                        + payload)
+                f.flush()
+                os.fchmod(f.fileno(), 0o666 & ~_UMASK)  # as open() would create it
+                os.fsync(f.fileno())
+            except BaseException:
+                os.unlink(f.name)
+                raise
+        try:
+            os.replace(f.name, path)
+        except BaseException:
+            os.unlink(f.name)
+            raise
+        return path.stat().st_size
+
+
+def _read_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()  # read once: setting it is process-wide, not thread-safe
 
 
 class BatchView:

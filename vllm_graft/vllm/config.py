@@ -95,7 +95,7 @@ def is_graft_spec(spec: Any) -> bool:
 
 def translate_speculative_config(spec: dict[str, Any], *, target_model: str | None = None,
                                  target_vocab_size: int | None = None,
-                                 target_tokenizer: str | None = None
+                                 target_tokenizer: TokenizerRef | None = None
                                  ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split a Graft speculative config into (vLLM's EAGLE-3 config, the graft block).
 
@@ -150,10 +150,10 @@ def _local_fingerprint(model: str | None) -> str | None:
 
 
 def check_files(config: GraftConfig, *, target_model: str | None, drafter_model: str | None,
-                target_vocab_size: int | None, target_tokenizer: str | None = None
+                target_vocab_size: int | None, target_tokenizer: TokenizerRef | None = None
                 ) -> tuple[float, ...] | None:
     """Validate the calibration, warm-up and successor state files; returns calibrated
-    thresholds. ``target_tokenizer``: the target's tokenizer (default: its model)."""
+    thresholds. ``target_tokenizer``: the target's tokenizer (default: its model's)."""
     calibrated = None
     if config.calibration is not None:
         calibration = load_calibration(
@@ -162,24 +162,46 @@ def check_files(config: GraftConfig, *, target_model: str | None, drafter_model:
             drafter_fingerprint=_local_fingerprint(drafter_model))
         calibrated = calibration.thresholds
     files = [path for path in (config.warmup, config.successor_state_file) if path]
-    tokenizer = target_tokenizer or target_model
-    fingerprint = tokenizer_fingerprint(tokenizer) if files and tokenizer else None
+    tokenizer = target_tokenizer or (TokenizerRef(target_model) if target_model else None)
+    fingerprint = tokenizer.fingerprint() if files and tokenizer else None
     for path in files:
         read_successor_file(path, vocab_size=target_vocab_size, k=config.successor_k,
                             tokenizer_fingerprint=fingerprint)
     return calibrated
 
 
+@dataclass(frozen=True)
+class TokenizerRef:
+    """Which tokenizer a model uses, as vLLM loads it."""
+
+    path: str
+    trust_remote_code: bool = False
+    revision: str | None = None
+
+    @classmethod
+    def of(cls, model_config) -> TokenizerRef | None:
+        path = getattr(model_config, "tokenizer", None) or getattr(model_config, "model", None)
+        if not path:
+            return None
+        return cls(str(path), bool(getattr(model_config, "trust_remote_code", False)),
+                   getattr(model_config, "tokenizer_revision", None))
+
+    def fingerprint(self) -> str | None:
+        return tokenizer_fingerprint(self.path, self.trust_remote_code, self.revision)
+
+
 @functools.lru_cache(maxsize=8)
-def tokenizer_fingerprint(tokenizer: str, trust_remote_code: bool = False) -> str | None:
+def tokenizer_fingerprint(tokenizer: str, trust_remote_code: bool = False,
+                          revision: str | None = None) -> str | None:
     """SHA-256 of the tokenizer's token-to-id map, so that a successor matrix learned
     with one tokenizer is never loaded for another with the same vocabulary size.
-    ``None`` when the tokenizer cannot be loaded here (the size checks still apply)."""
+    ``None`` when the tokenizer cannot be loaded here: the vocabulary-size and
+    ``successor_k`` checks still apply, the tokenizer check does not (logged)."""
     try:
         from transformers import AutoTokenizer
 
         vocab = AutoTokenizer.from_pretrained(
-            tokenizer, trust_remote_code=trust_remote_code).get_vocab()
+            tokenizer, trust_remote_code=trust_remote_code, revision=revision).get_vocab()
     except Exception as err:  # no tokenizer files, a remote-code tokenizer, ...
         logger.warning("Graft: no tokenizer fingerprint for %s (%s)", tokenizer, err)
         return None
@@ -222,7 +244,7 @@ class GraftSettings:
             config, target_model=vllm_config.model_config.model,
             drafter_model=spec.model if spec is not None else None,
             target_vocab_size=vllm_config.model_config.get_vocab_size(),
-            target_tokenizer=getattr(vllm_config.model_config, "tokenizer", None))
+            target_tokenizer=TokenizerRef.of(vllm_config.model_config))
         return cls(config=config, thresholds=config.effective_thresholds(calibrated),
                    tree_shape=resolve_tree_shape(config.tree_shape,
                                                  cuda_graphs_enabled(vllm_config)))

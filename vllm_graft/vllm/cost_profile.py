@@ -15,6 +15,7 @@ import torch
 from vllm_graft.assets.pypi import default_cache_dir
 from vllm_graft.core.budget import CostModel
 from vllm_graft.vllm.timing import device_clock
+from vllm_graft.vllm.tp_agreement import agree, is_first_rank
 
 logger = logging.getLogger(__name__)
 
@@ -54,18 +55,31 @@ def measure(runner, repeats: int = 3) -> CostModel:
     return CostModel(curves={1: ([float(n) for n in tokens], times)}, key=profile_key(runner))
 
 
-def load_or_measure(runner) -> CostModel:
-    key = profile_key(runner)
+def _cached(key: dict[str, str]) -> CostModel | None:
     path = profile_path(key)
-    if path.is_file():
-        try:
-            model = CostModel.load(path, expected_key=key)
-            logger.info("Graft: cost profile from %s", path)
-            return model
-        except ValueError as error:
-            logger.warning("Graft: ignoring the cached cost profile (%s); measuring again",
-                           error)
+    if not path.is_file():
+        return None
+    try:
+        model = CostModel.load(path, expected_key=key)
+    except ValueError as error:
+        logger.warning("Graft: ignoring the cached cost profile (%s); measuring again", error)
+        return None
+    logger.info("Graft: cost profile from %s", path)
+    return model
+
+
+def load_or_measure(runner) -> CostModel:
+    """The first tensor-parallel rank's cached profile, or one measured now by every
+    rank together: measuring runs dummy forwards, whose collectives hang unless every
+    rank runs them, so no rank decides from its own cache alone."""
+    key = profile_key(runner)
+    model = agree(_cached(key))
+    if model is not None:
+        return model
     model = measure(runner)
+    if not is_first_rank():
+        return model  # its sizer's choices are the first rank's anyway
+    path = profile_path(key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         model.save(path)

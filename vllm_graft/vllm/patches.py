@@ -50,6 +50,18 @@ GRAFT_REQUEST_PREFIX = "graft_"
 MAX_TENANT_LENGTH = 256
 
 
+def tenant_of_user(user: str | None) -> str | None:
+    """The tenant an OpenAI ``user`` field names: none when empty, the SHA-256 of one
+    too long for a tenant field (any ``user`` the API accepts stays a valid request)."""
+    if not user:
+        return None
+    if len(user) > MAX_TENANT_LENGTH:
+        import hashlib
+
+        return "user-sha256:" + hashlib.sha256(user.encode()).hexdigest()
+    return user
+
+
 def validate_graft_request_fields(extra_args: dict | None, tenant_field: str) -> None:
     """A request's Graft fields (its extra arguments named ``graft_*``): only the tenant
     field exists, and it holds a short non-empty string. Checked in the front end,
@@ -103,10 +115,12 @@ STATE_SAVE_SHUTDOWN_S = 10
 
 
 def keep_shutdown_grace(engine_args) -> None:
-    """vLLM's default ``--shutdown-timeout 0`` kills the engine process right after
-    SIGTERM, before the model runner's shutdown could save the successor state. With
-    ``graft.successor_state`` the engine gets a few seconds (in-flight requests drain
-    for at most that long, then the state is saved)."""
+    """vLLM's ``--shutdown-timeout 0`` (its default, and indistinguishable from an
+    explicit 0) kills the engine process right after SIGTERM, before the model runner's
+    shutdown could save the successor state. With ``graft.successor_state`` it becomes
+    a few seconds. That one budget covers draining in-flight requests and tearing the
+    engine down: when draining takes all of it the engine is killed unsaved, and the
+    last periodic save is what survives."""
     if not getattr(engine_args, "shutdown_timeout", None):
         logger.warning("Graft: --shutdown-timeout %d s, so that the successor state is saved "
                        "at shutdown", STATE_SAVE_SHUTDOWN_S)
@@ -120,7 +134,7 @@ def _patch_engine_args() -> list[Patch]:
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
 
-    from vllm_graft.vllm.config import (ADDITIONAL_CONFIG_KEY, is_graft_spec,
+    from vllm_graft.vllm.config import (ADDITIONAL_CONFIG_KEY, TokenizerRef, is_graft_spec,
                                         load_speculative_config_arg,
                                         translate_speculative_config)
 
@@ -133,7 +147,7 @@ def _patch_engine_args() -> list[Patch]:
             eagle_spec, settings = translate_speculative_config(
                 spec, target_model=target_model_config.model,
                 target_vocab_size=target_model_config.get_vocab_size(),
-                target_tokenizer=target_model_config.tokenizer)
+                target_tokenizer=TokenizerRef.of(target_model_config))
             self.speculative_config = eagle_spec
             self.additional_config = {**(self.additional_config or {}),
                                       ADDITIONAL_CONFIG_KEY: settings}
@@ -227,9 +241,9 @@ def _patch_openai_user() -> list[Patch]:
         def to_sampling_params(self, *args, **kwargs):
             params = call_original(cls, "to_sampling_params")(self, *args, **kwargs)
             field = _FRONT_END_TENANT_FIELD[0] if _FRONT_END_TENANT_FIELD else None
-            user = getattr(self, "user", None)
-            if field and user is not None and field not in (params.extra_args or {}):
-                params.extra_args = {**(params.extra_args or {}), field: user}
+            tenant = tenant_of_user(getattr(self, "user", None))
+            if field and tenant is not None and field not in (params.extra_args or {}):
+                params.extra_args = {**(params.extra_args or {}), field: tenant}
             return params
 
         return Patch(f"graft.openai_user.{cls.__name__}", cls,
@@ -362,7 +376,10 @@ def _patch_runner() -> list[Patch]:
 
     def shutdown(self, *args, **kwargs):
         if on(self) and self.drafter.state_keeper is not None:
-            self.drafter.state_keeper.save("shutdown")
+            try:
+                self.drafter.state_keeper.save("shutdown")
+            except Exception:  # vLLM's own shutdown must run whatever the save did
+                logger.exception("Graft: the successor state was not saved at shutdown")
         return call_original(cls, "shutdown")(self, *args, **kwargs)
 
     def build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model,

@@ -48,7 +48,7 @@ from vllm_graft.core.graft import BuildStats, GraftTreeBuilder
 from vllm_graft.core.hybrid import ancestor_ids
 from vllm_graft.core.isolation import IsolationMode, MatrixPartitions
 from vllm_graft.core.successor import SuccessorMatrix
-from vllm_graft.vllm.config import GraftSettings
+from vllm_graft.vllm.config import GraftSettings, TokenizerRef
 from vllm_graft.vllm.sampling import plain_decoding_reason
 from vllm_graft.vllm.successor_state import (SuccessorStateKeeper, is_state_writer,
                                              matrix_metadata)
@@ -140,10 +140,12 @@ class GraftTreeDrafting:
         vocab_size = vllm_config.model_config.get_vocab_size()
         # the saved state holds what the warm-up taught and what serving taught since
         source = config.successor_state_file or config.warmup
-        if source is not None:  # checked against the tokenizer by GraftSettings
-            matrix = SuccessorMatrix.load(source, vocab_size=vocab_size,
-                                          k=config.successor_k, device=device,
-                                          backend=config.ops_backend)
+        if source is not None:
+            tokenizer = TokenizerRef.of(vllm_config.model_config)
+            matrix = SuccessorMatrix.load(
+                source, vocab_size=vocab_size, k=config.successor_k,
+                tokenizer_fingerprint=tokenizer.fingerprint() if tokenizer else None,
+                device=device, backend=config.ops_backend)
             logger.info("Graft: successor matrix from %s (%d rows)", source,
                         int(matrix.touched_rows().numel()))
         else:
@@ -219,9 +221,8 @@ class GraftTreeDrafting:
                 extra = runner.requests[req_id].sampling_params.extra_args or {}
                 tenant = extra.get(self.tenant_field)
                 self.isolation.assign(req_id, None if tenant is None else str(tenant))
-        if self.matrix.partitions == 1 and all(
-                self.isolation.partition_of.get(r) == 0 for r in req_ids):
-            return None
+        if all(self.isolation.partition_of.get(r) == 0 for r in req_ids):
+            return None  # partition 0 is the table's first rows: the plain lookup
         return self.isolation.partitions(req_ids, self.device)
 
     def request_state_counts(self) -> dict[str, int]:
@@ -231,7 +232,8 @@ class GraftTreeDrafting:
                 "deferred_rows": len(self.deferred),
                 "context_indexes": len(self.context_indexes),
                 "prompt_lengths": len(self.prompt_lengths),
-                "matrix_partitions": len(self.isolation.partition_of)}
+                "matrix_partitions": len(self.isolation.partition_of),
+                "matrix_refusals": self.isolation.refusals}
 
     def forget(self, req_ids, finished=()) -> None:
         """Drop the state of requests that left the batch; the outputs of ``finished``

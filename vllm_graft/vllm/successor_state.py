@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
 from vllm_graft.core.config import SuccessorStateConfig
-from vllm_graft.core.successor import TOKENIZER_FINGERPRINT_KEY, SuccessorMatrix
+from vllm_graft.core.successor import (TOKENIZER_FINGERPRINT_KEY, MatrixSnapshot,
+                                       SuccessorMatrix)
 
 logger = logging.getLogger(__name__)
 
@@ -27,10 +29,12 @@ logger = logging.getLogger(__name__)
 def matrix_metadata(vllm_config) -> dict:
     """What a saved matrix records about the model it was learned with."""
     from vllm_graft.core.calibration import fingerprint_model
-    from vllm_graft.vllm.config import tokenizer_fingerprint
+    from vllm_graft.vllm.config import TokenizerRef
 
     model_config = vllm_config.model_config
-    metadata = {TOKENIZER_FINGERPRINT_KEY: tokenizer_fingerprint(model_config.tokenizer)}
+    tokenizer = TokenizerRef.of(model_config)
+    fingerprint = tokenizer.fingerprint() if tokenizer is not None else None
+    metadata = {} if fingerprint is None else {TOKENIZER_FINGERPRINT_KEY: fingerprint}
     if (Path(model_config.model) / "config.json").is_file():
         metadata["target_fingerprint"] = fingerprint_model(model_config.model)
     return metadata
@@ -39,16 +43,18 @@ def matrix_metadata(vllm_config) -> dict:
 def is_state_writer(vllm_config) -> bool:
     """The first tensor-parallel rank of the first data-parallel engine writes: the
     ranks of one engine hold identical matrices, and one file has one writer."""
-    from vllm.distributed import get_tensor_model_parallel_rank
+    from vllm_graft.vllm.tp_agreement import is_first_rank
 
-    return (get_tensor_model_parallel_rank() == 0
-            and vllm_config.parallel_config.data_parallel_rank == 0)
+    return is_first_rank() and vllm_config.parallel_config.data_parallel_rank == 0
 
 
 class SuccessorStateKeeper:
     """Saves the live matrix to ``config.path`` every ``config.save_every_s`` seconds
-    and at shutdown. A failed save (disk full, folder removed) is logged and retried at
-    the next period; it never stops serving."""
+    and at shutdown. A periodic save copies the touched rows to the host in the engine
+    loop and hashes and writes them on a background thread, so slow storage never
+    holds up a step (or, under tensor parallelism, the other ranks waiting for it); the
+    shutdown save writes in the caller. A failed save (disk full, folder removed) is
+    logged and tried again at the next period; it never stops serving."""
 
     def __init__(self, config: SuccessorStateConfig, matrix: Callable[[], SuccessorMatrix],
                  metadata: dict, *, writer: bool, clock: Callable[[], float] = time.monotonic):
@@ -60,26 +66,42 @@ class SuccessorStateKeeper:
         self.clock = clock
         self.last_save = clock()
         self.saves = 0
+        self._writing: threading.Thread | None = None
 
     def maybe_save(self) -> None:
-        if self.writer and self.every > 0 and self.clock() - self.last_save >= self.every:
-            self.save("periodic")
+        if not (self.writer and self.every > 0 and self.clock() - self.last_save >= self.every):
+            return
+        if self._writing is not None and self._writing.is_alive():
+            return  # the last one is still being written
+        self.last_save = self.clock()
+        snapshot = self.matrix().snapshot()
+        self._writing = threading.Thread(target=self._write, args=(snapshot, "periodic"),
+                                         name="graft-state-save", daemon=True)
+        self._writing.start()
+
+    def flush(self) -> None:
+        """Wait for a periodic save still being written."""
+        if self._writing is not None:
+            self._writing.join()
 
     def save(self, reason: str) -> int | None:
         """Write the file now; returns its size in bytes, ``None`` when not written."""
         if not self.writer:
             return None
+        self.flush()
         self.last_save = self.clock()
-        matrix = self.matrix()
+        return self._write(self.matrix().snapshot(), reason)
+
+    def _write(self, snapshot: MatrixSnapshot, reason: str) -> int | None:
         metadata = {**self.metadata, "saved_at": datetime.now(timezone.utc).isoformat(),
                     "reason": reason, "pid": os.getpid()}
         try:
-            size = matrix.save(self.path, metadata)
+            size = snapshot.write(self.path, metadata)
         except OSError as err:
             logger.error("Graft: could not save the successor state to %s (%s); serving "
                          "goes on, the next save is tried in %.0f s", self.path, err, self.every)
             return None
         self.saves += 1
         logger.info("Graft: successor state saved to %s (%s, %d rows, %d bytes)", self.path,
-                    reason, int(matrix.touched_rows().numel()), size)
+                    reason, snapshot.num_rows, size)
         return size

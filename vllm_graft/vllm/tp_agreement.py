@@ -25,6 +25,12 @@ def tensor_parallel_size() -> int:
     return get_tensor_model_parallel_world_size()
 
 
+def is_first_rank() -> bool:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank() == 0
+
+
 def agree(value: T) -> T:
     """The first tensor-parallel rank's ``value``, on every rank (picklable values)."""
     from vllm.distributed import get_tp_group
