@@ -346,8 +346,19 @@ def summarize(run: MethodRun, reference: MethodRun | None) -> dict:
         "memory_mb_first": after[0] if after else None,
         "memory_mb_last": after[-1] if after else None,
         "memory_mb_max": max(after) if after else None,
+        "memory_mb_second_half_growth": second_half_growth(run.memory),
         "memory_trace": run.memory,
     }
+
+
+def second_half_growth(trace: list) -> float | None:
+    """RSS at the end minus RSS halfway through the load: a leak keeps climbing here,
+    while allocator pools sized for the first large batches stop."""
+    if len(trace) < 4:
+        return None
+    end = trace[-1][0]
+    middle = min(trace, key=lambda sample: abs(sample[0] - end / 2))
+    return round(trace[-1][1] - middle[1], 1)
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -357,13 +368,23 @@ def _ms(seconds: float | None) -> float | None:
 def write_report(out: Path, summaries: list[dict], setup: dict) -> None:
     (out / "load.json").write_text(json.dumps({"setup": setup, "methods": summaries},
                                               indent=1))
+    render(out)
+
+
+def render(out: Path) -> None:
+    """report.md and load.png from load.json."""
+    saved = json.loads((out / "load.json").read_text())
+    setup, summaries = saved["setup"], saved["methods"]
+    for s in summaries:  # results saved before this figure existed
+        s.setdefault("memory_mb_second_half_growth", second_half_growth(s["memory_trace"]))
     plain = next((s for s in summaries if s["method"] == "plain"), None)
     lines = [f"# Load test: {setup['model']}, {setup['duration_s']} s per method, "
              f"{setup['clients']} concurrent clients", "",
              f"Command: `{setup['command']}`", "",
              "| method | req/s | output tok/s | x plain | TTFT p50 / p99 ms | ITL p50 / p99 ms "
-             "| failed | deterministic identical to plain | RSS after warm-up, first -> last MB |",
-             "|---|---:|---:|---:|---|---|---:|---|---|"]
+             "| failed | deterministic identical to plain | RSS after warm-up, first -> last MB "
+             "| RSS growth, second half MB |",
+             "|---|---:|---:|---:|---|---|---:|---|---|---:|"]
     for s in summaries:
         ratio = (f"{s['output_tokens_per_s'] / plain['output_tokens_per_s']:.2f}"
                  if plain and plain["output_tokens_per_s"] else "")
@@ -372,11 +393,14 @@ def write_report(out: Path, summaries: list[dict], setup: dict) -> None:
         lines.append(
             f"| {s['method']} | {s['requests_per_s']} | {s['output_tokens_per_s']} | {ratio} | "
             f"{s['ttft_ms_p50']} / {s['ttft_ms_p99']} | {s['itl_ms_p50']} / {s['itl_ms_p99']} | "
-            f"{s['failed']} | {same} | {s['memory_mb_first']} -> {s['memory_mb_last']} |")
+            f"{s['failed']} | {same} | {s['memory_mb_first']} -> {s['memory_mb_last']} | "
+            f"{s['memory_mb_second_half_growth']} |")
     lines += ["", "Traffic per method: " + ", ".join(
         f"{name} ({c} clients)" for name, (c, _) in STREAMS.items())
         + ", non-streaming greedy (1 client), streams hung up after 3-7 chunks (1 client). "
-        "Requests counted: all sent (disconnected streams excluded).", ""]
+        "Requests counted: all sent (disconnected streams excluded). Deterministic: "
+        "greedy, greedy with penalties, structured output and non-streaming greedy "
+        "requests, compared with plain decoding's answer to the same request.", ""]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     plot(out / "load.png", summaries)
 
@@ -420,15 +444,24 @@ def method_specs(head: str, warmup: str | None, calibration: str | None) -> dict
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--report-only", action="store_true",
+                   help="render report.md and load.png again from OUT/load.json")
     p.add_argument("--duration", type=float, default=300, help="seconds of load per method")
     p.add_argument("--methods", default="graft,eagle3,ngram,plain",
                    help="comma-separated; plain always runs, last")
+    p.add_argument("--soak", action="store_true",
+                   help="only the methods named, no plain run and no comparison (a long "
+                        "run that watches memory)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--head", help="EAGLE-3 head (default: the committed one)")
     p.add_argument("--warmup", default=str(REPO / "bench/results/smollm2-135m/warmup.bin"))
     p.add_argument("--calibration",
                    default=str(REPO / "bench/results/smollm2-135m/calibration.json"))
     args = p.parse_args(argv)
+    if args.report_only:
+        render(args.out)
+        print((args.out / "report.md").read_text())
+        return 0
 
     from transformers import AutoTokenizer
 
@@ -443,7 +476,9 @@ def main(argv=None) -> int:
     head = args.head or str(default_head(args.model))
     specs = method_specs(head, args.warmup if Path(args.warmup).is_file() else None,
                          args.calibration if Path(args.calibration).is_file() else None)
-    wanted = [m for m in args.methods.split(",") if m and m != "plain"] + ["plain"]
+    wanted = [m for m in args.methods.split(",") if m and m != "plain"]
+    if not args.soak:
+        wanted.append("plain")
     unknown = [m for m in wanted if m not in specs]
     if unknown:
         p.error(f"unknown methods {unknown}; choose among {sorted(specs)}")
@@ -476,8 +511,9 @@ def main(argv=None) -> int:
         runs.append(run)
         print(f"load test: {name}: {run.requests} requests, {len(run.failed)} failed",
               flush=True)
-    reference = runs[-1]
-    summaries = [summarize(run, reference) for run in [reference, *runs[:-1]]]
+    reference = runs[-1] if not args.soak else None
+    ordered = runs if args.soak else [runs[-1], *runs[:-1]]
+    summaries = [summarize(run, reference) for run in ordered]
     command = "scripts/load_test.py " + " ".join(
         a if not a.startswith("/") else os.path.relpath(a, REPO) for a in (argv or sys.argv[1:]))
     write_report(args.out, summaries, {
@@ -487,8 +523,10 @@ def main(argv=None) -> int:
                     "long": sum(p["kind"] == "long" for p in prompts)},
         "cpus": os.cpu_count()})
     print((args.out / "report.md").read_text())
-    bad = [s for s in summaries if s["failed"] or s["deterministic_identical"]
-           != s["deterministic_compared"]]
+    # vLLM's own speculation is not exact on every platform: a finding, not a failure
+    bad = [s for s in summaries if s["failed"] or (
+        specs[s["method"]] is not None and specs[s["method"]].get("method") == "graft"
+        and s["deterministic_identical"] != s["deterministic_compared"])]
     if not bad:  # keep the generator's logs and results of a failed run
         shutil.rmtree(work, ignore_errors=True)
     return 1 if bad else 0

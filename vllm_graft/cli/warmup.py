@@ -27,7 +27,9 @@ def run_warmup(model: str, head: str, out: Path, *, rounds: int, max_tokens: int
 
     prompts = datasets.sharegpt(cache_dir, limit=rounds, offset=offset)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    spec = graft_config_dict(head, budget=budget, **(extra_graft or {}))
+    # one matrix learned from every warm-up conversation: the one the file holds
+    spec = graft_config_dict(head, budget=budget,
+                             **{"isolation": "global", **(extra_graft or {})})
     start = time.time()
     with engine(model, spec, dtype=dtype, max_model_len=max_model_len) as llm:
         outputs = llm.generate(render_prompts(tokenizer, prompts),

@@ -22,6 +22,9 @@ def save_successor_matrix(worker, path: str, metadata: dict) -> dict | None:
     if getattr(worker, "rank", 0) != 0:
         return None
     drafter = _proposer(worker)
+    if drafter.matrix.partitions != 1:
+        raise RuntimeError("saving a successor matrix needs graft.isolation 'global' "
+                           "(this engine keeps one matrix per tenant or request)")
     metadata = {**matrix_metadata(worker.vllm_config), **metadata}
     size = drafter.matrix.save(path, metadata)
     return {"bytes": size, "rows": int(drafter.matrix.touched_rows().numel()),
