@@ -476,9 +476,8 @@ def main(argv=None) -> int:
     head = args.head or str(default_head(args.model))
     specs = method_specs(head, args.warmup if Path(args.warmup).is_file() else None,
                          args.calibration if Path(args.calibration).is_file() else None)
-    wanted = [m for m in args.methods.split(",") if m and m != "plain"]
-    if not args.soak:
-        wanted.append("plain")
+    named = [m for m in args.methods.split(",") if m]
+    wanted = named if args.soak else [m for m in named if m != "plain"] + ["plain"]
     unknown = [m for m in wanted if m not in specs]
     if unknown:
         p.error(f"unknown methods {unknown}; choose among {sorted(specs)}")
