@@ -39,12 +39,11 @@ class IsolationMode(str, Enum):
 class MatrixPartitions:
     """Assigns requests to partitions of ``matrix`` under ``mode``.
 
-    ``seed``: the ``[vocab, k]`` table each new partition starts from (``None``: the
-    matrix's current partition 0, copied now). In ``global`` mode everything uses
-    partition 0 and the matrix keeps one partition."""
+    Each new partition starts as a copy of the seed: the matrix as it is now (the
+    warm-up file, or empty). In ``global`` mode everything uses partition 0 and the
+    matrix keeps one partition."""
 
-    def __init__(self, mode: IsolationMode, matrix: SuccessorMatrix, max_matrices: int,
-                 seed: torch.Tensor | None = None):
+    def __init__(self, mode: IsolationMode, matrix: SuccessorMatrix, max_matrices: int):
         if max_matrices < 1:
             raise ValueError(f"max_matrices must be >= 1, got {max_matrices}")
         self.mode = IsolationMode(mode)
@@ -52,15 +51,13 @@ class MatrixPartitions:
         self.max_matrices = 1 if self.mode is IsolationMode.GLOBAL else max_matrices
         self.seed = None  # global mode never resets a matrix: no copy kept
         if self.mode is not IsolationMode.GLOBAL:
-            self.seed = (seed if seed is not None else matrix.partition(0)).clone()
+            self.seed = matrix.partition(0).clone()
+            matrix.resize_partitions_(self.max_matrices)  # new partitions start empty
         self.owner_of: OrderedDict[str, int] = OrderedDict()  # owner -> partition, LRU first
         self.partition_of: dict[str, int] = {}  # request -> partition
         self.holders: dict[int, set[str]] = {}  # partition -> requests using it
         self.evictions = 0  # idle owners whose matrix went to a newcomer
         self.refusals = 0  # steps a request ran without a matrix (all were held)
-        if self.mode is not IsolationMode.GLOBAL:
-            self.matrix.resize_partitions_(self.max_matrices)
-            self.matrix.partition(0).copy_(self.seed)
 
     def assign(self, req_id: str, tenant: str | None = None) -> int:
         """The partition of ``req_id``: fixed while the request stays in the batch once

@@ -189,6 +189,12 @@ class TokenizerRef:
     def fingerprint(self) -> str | None:
         return tokenizer_fingerprint(self.path, self.trust_remote_code, self.revision)
 
+    @classmethod
+    def fingerprint_of(cls, model_config) -> str | None:
+        """The fingerprint of the tokenizer ``model_config`` names (``None``: none)."""
+        tokenizer = cls.of(model_config)
+        return tokenizer.fingerprint() if tokenizer is not None else None
+
 
 @functools.lru_cache(maxsize=8)
 def tokenizer_fingerprint(tokenizer: str, trust_remote_code: bool = False,

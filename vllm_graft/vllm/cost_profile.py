@@ -73,7 +73,7 @@ def load_or_measure(runner) -> CostModel:
     rank together: measuring runs dummy forwards, whose collectives hang unless every
     rank runs them, so no rank decides from its own cache alone."""
     key = profile_key(runner)
-    model = agree(_cached(key))
+    model = agree(_cached(key) if is_first_rank() else None)
     if model is not None:
         return model
     model = measure(runner)

@@ -141,10 +141,9 @@ class GraftTreeDrafting:
         # the saved state holds what the warm-up taught and what serving taught since
         source = config.successor_state_file or config.warmup
         if source is not None:
-            tokenizer = TokenizerRef.of(vllm_config.model_config)
             matrix = SuccessorMatrix.load(
                 source, vocab_size=vocab_size, k=config.successor_k,
-                tokenizer_fingerprint=tokenizer.fingerprint() if tokenizer else None,
+                tokenizer_fingerprint=TokenizerRef.fingerprint_of(vllm_config.model_config),
                 device=device, backend=config.ops_backend)
             logger.info("Graft: successor matrix from %s (%d rows)", source,
                         int(matrix.touched_rows().numel()))

@@ -32,8 +32,7 @@ def matrix_metadata(vllm_config) -> dict:
     from vllm_graft.vllm.config import TokenizerRef
 
     model_config = vllm_config.model_config
-    tokenizer = TokenizerRef.of(model_config)
-    fingerprint = tokenizer.fingerprint() if tokenizer is not None else None
+    fingerprint = TokenizerRef.fingerprint_of(model_config)
     metadata = {} if fingerprint is None else {TOKENIZER_FINGERPRINT_KEY: fingerprint}
     if (Path(model_config.model) / "config.json").is_file():
         metadata["target_fingerprint"] = fingerprint_model(model_config.model)
