@@ -51,3 +51,19 @@ def test_batch_table_reports_speed_against_plain_at_each_batch():
     assert "slowest against plain at batch 8 on a (0.90x" in lines
     assert "batch 1 over all datasets: 1.20x" in lines
     assert "## Batch sizes" in markdown(results([row("plain", "a", 1.0, 1.0)], batch_rows))
+
+
+def test_tail_is_checked_against_vllms_chain_and_gets_a_chain_calibration():
+    from vllm_graft.bench.methods import methods
+
+    rows = [row("eagle3", "a", 1.4, 1.4, tps=50.0), row("tail", "a", 1.5, 1.5, tps=45.0)]
+    checks = checks_of(results(rows))
+    assert checks["MAT tail / eagle3 chain"] is True
+    assert checks["tokens/s tail / eagle3 chain"] is False  # 45 < 50
+    table = methods(60, chain_tokens=3)
+    spec = table["tail"].speculative_config("H", "w.bin", "tree.json", "eagle3", "chain.json")
+    assert spec["graft"] == {"variant": "tail", "budget": 3, "warmup": "w.bin",
+                             "calibration": "chain.json"}
+    assert table["eagle3"].speculative_config("H", None, None)["num_speculative_tokens"] == 3
+    graft = table["graft"].speculative_config("H", None, "tree.json", "eagle3", "chain.json")
+    assert graft["graft"]["calibration"] == "tree.json"

@@ -103,3 +103,44 @@ def test_fit_prefers_pruning_unsure_trees():
     assert fit["predicted"]["tokens_per_cost"] > fit["dense"]["tokens_per_cost"]
     with pytest.raises(ValueError, match="no dense-tree records"):
         fit_thresholds([], (0,), (1.0,), 3)
+
+
+def test_chain_calibration_checks_its_shape(tmp_path):
+    tree = _write(tmp_path, _valid())
+    tail = GraftConfig(variant="tail", budget=5)
+    with pytest.raises(CalibrationError, match="'shape' is 'tree'.*--variant tail"):
+        load_calibration(tree, tail)
+    chain = _write(tmp_path, {**_valid(), "shape": "chain", "budget": 5}, "chain.json")
+    assert load_calibration(chain, tail).shape == "chain"  # draft_keep does not apply
+    with pytest.raises(CalibrationError, match="field 'budget' is 5"):
+        load_calibration(chain, GraftConfig(variant="tail", budget=3))
+    with pytest.raises(CalibrationError, match="'shape' is 'chain'"):
+        load_calibration(chain, GraftConfig(budget=5))
+
+
+def test_chain_fit_stops_unsure_chains_where_their_confidence_falls():
+    from vllm_graft.core.calibration import (ChainRecord, fit_chain_thresholds,
+                                             simulate_chains)
+
+    # sure chains: confident throughout, all 5 drafted tokens accepted; unsure ones
+    # fall to 0.1 at step 1 and get nothing from their drafted tokens
+    sure = [ChainRecord((0.95, 0.9, 0.85, 0.8, 0.75), 5) for _ in range(10)]
+    unsure = [ChainRecord((0.6, 0.1, 0.05, 0.02, 0.01), 0) for _ in range(10)]
+    gain = (0.5, 0.5, 0.0)
+    thresholds, fit = fit_chain_thresholds(sure + unsure, (0, 1, 5), gain, length=5,
+                                           draft_cost=0.2)
+    assert thresholds[2] == 0.0  # checkpoint 5 lies past a 5-token chain
+    # sure chains draft on to the end; unsure ones stop at step 0, where 0.6 < 0.95
+    # already tells them apart: nothing drafted kept, gain 0.5, one draft step
+    assert thresholds[0] > 0.6
+    tokens, steps, _ = simulate_chains(sure + unsure, thresholds, (0, 1, 5), gain, 5, 0.2)
+    assert tokens == (10 * 6 + 10 * 1.5) / 20 and steps == (10 * 5 + 10 * 1) / 20
+    assert fit["predicted"]["tokens_per_cost"] > fit["dense"]["tokens_per_cost"]
+    # a chain stopped at step 3 keeps at most 3 drafted tokens
+    stopped, _, _ = simulate_chains([ChainRecord((0.9, 0.9, 0.9, 0.1, 0.1), 5)],
+                                    (0.0, 0.5, 0.5), (0, 1, 5), (0.0, 0.0, 0.0), 5, 0.1)
+    assert stopped == 1 + 3
+    with pytest.raises(ValueError, match="no chain records"):
+        fit_chain_thresholds([], (0,), (1.0,), 3)
+    with pytest.raises(ValueError, match="checkpoint at step 0"):
+        fit_chain_thresholds(sure, (1,), (1.0,), 3)

@@ -88,3 +88,20 @@ def test_deferred_rows_stay_contiguous_and_bounded():
     untokened = DeferredRows([], [], None)  # a draft model has no hidden input
     untokened.append([1, 2], [0, 1], None, limit=8)
     assert untokened.hidden is None and untokened.positions == [0, 1]
+
+
+def test_a_perfect_drafter_keeps_whole_tail_chains(tiny_models, plain_outputs):
+    """Graft-TAIL with the target as its own draft model: unpruned chains are the
+    target's own continuation, so each is accepted whole (the drafter's chain positions
+    and cache are right), and output stays identical."""
+    from vllm import SamplingParams
+
+    spec = graft_spec(tiny_models.target, drafter="draft_model", variant="tail", budget=6,
+                      thresholds=[0.0, 0.0, 0.0])
+    with running_llm(tiny_models.target, spec) as llm:
+        outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=48,
+                                                       ignore_eos=True), use_tqdm=False)
+        metrics = spec_metrics(llm)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == plain_outputs
+    assert mean_accepted(metrics) > 6.0, metrics  # 6 drafts + the bonus token, nearly always
+    assert metrics["graft_retrieved_nodes"] == 0

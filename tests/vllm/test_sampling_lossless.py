@@ -90,6 +90,37 @@ def test_graft_sampling_matches_plain_sampling(tiny_models, plain_samples, name)
     assert min(pvalues.values()) > 1e-4, pvalues
 
 
+def test_tail_chain_sampling_matches_plain_sampling(tiny_models, plain_samples):
+    """Graft-TAIL chains (drafted prefix, retrieved tail) are verified by the backend's
+    causal attention and Graft's lossless acceptance: same distribution as plain."""
+    name = "t1.6-topp0.9"
+    spec = graft_spec(tiny_models.sharp_head, variant="tail", budget=4,
+                      thresholds=[0.3, 0.2, 0.1])
+    got, metrics = sample(tiny_models.sharp, spec, SETTINGS[name], seed=4)
+    assert metrics["graft_verified_trees"] > SAMPLES
+    assert metrics["spec_decode_num_accepted_tokens"] > SAMPLES // 2, metrics
+    assert metrics["graft_accepted_retrieved"] > 0, metrics
+    pvalues = distribution_pvalues(plain_samples[name], got)
+    assert min(pvalues.values()) > 1e-4, pvalues
+
+
+def test_dflash_tail_sampling_matches_plain_sampling(tiny_models, plain_samples,
+                                                     tmp_path_factory):
+    """Graft-TAIL on a (random) DFlash drafter: vLLM's block proposal, the confident
+    prefix kept, the matrix's walk grafted, Graft's acceptance: plain's distribution."""
+    from vllm_graft.testing.tiny_models import build_dflash_drafter
+
+    drafter = build_dflash_drafter(tiny_models.sharp, tmp_path_factory.mktemp("dflash"))
+    name = "t2.0-topk20"
+    spec = graft_spec(drafter, drafter="dflash", variant="tail", budget=4,
+                      thresholds=[0.3, 0.2, 0.1])
+    got, metrics = sample(tiny_models.sharp, spec, SETTINGS[name], seed=5)
+    assert metrics["graft_verified_trees"] > SAMPLES
+    assert metrics["graft_accepted_retrieved"] > 0, metrics
+    pvalues = distribution_pvalues(plain_samples[name], got)
+    assert min(pvalues.values()) > 1e-4, pvalues
+
+
 def test_a_biased_acceptance_fails_the_same_test(tiny_models, plain_samples, monkeypatch):
     """Negative control: a verifier that sometimes accepts the first child without the
     target agreeing (drafts over-represented, the bias vLLM 0.32's chain sampler shows on

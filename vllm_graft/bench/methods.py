@@ -15,9 +15,12 @@ class Method:
     note: str = ""
 
     def speculative_config(self, head: str, warmup: str | None, calibration: str | None,
-                           drafter: str = "eagle3") -> dict | None:
+                           drafter: str = "eagle3",
+                           tail_calibration: str | None = None) -> dict | None:
         """``head``: the EAGLE-3 head, or the draft model when ``drafter`` is
-        ``draft_model`` (vLLM's chain then uses the draft model too)."""
+        ``draft_model`` (vLLM's chain then uses the draft model too). ``calibration``
+        serves the tree variants, ``tail_calibration`` (a chain calibration) the
+        Graft-TAIL ones."""
         if self.kind == "plain":
             return None
         if self.kind == "vllm":
@@ -32,7 +35,10 @@ class Method:
             graft["drafter"] = drafter
         if self.uses_retrieval and warmup and "warmup" not in graft:
             graft["warmup"] = warmup
-        if calibration and graft.get("variant", "graft") in ("graft", "prune_only") \
+        variant = graft.get("variant", "graft")
+        if variant == "tail":
+            calibration = tail_calibration
+        if calibration and variant in ("graft", "prune_only", "tail") \
                 and "thresholds" not in graft:
             graft["calibration"] = calibration
         return {"method": "graft", "model": head, "graft": graft}
@@ -74,6 +80,16 @@ def methods(budget: int, chain_tokens: int = 5) -> dict[str, Method]:
                              uses_retrieval=True,
                              note="budget \"auto\": each step a sized tree, a copy chain "
                                   "or plain decoding, whichever measures fastest"),
+        "tail": Method("tail", "graft", graft={"variant": "tail", "budget": chain_tokens},
+                       uses_retrieval=True,
+                       note=f"Graft-TAIL: EAGLE-3 chain, unsure tail from the matrix, "
+                            f"{chain_tokens} tokens"),
+        "tail_auto": Method("tail_auto", "graft",
+                            graft={"variant": "tail", "budget": chain_tokens,
+                                   "auto_size": True},
+                            uses_retrieval=True,
+                            note=f"Graft-TAIL sized per step ({chain_tokens} tokens as a "
+                                 f"cap) with the throughput guard on"),
         "graft_chain": Method("graft_chain", "graft",
                               graft={"variant": "graft", "budget": "auto",
                                      "guard_modes": ["chain"]},

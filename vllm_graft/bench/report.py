@@ -84,6 +84,9 @@ def goal_checks(means: dict, rows: list[dict] | None = None
                   if m == "graft" and per[("graft", d)] and per.get(("ngram", d))]
         if versus:
             check(f"{label} graft / ngram, lowest dataset", min(versus), 1.0)
+    # Graft-TAIL against vLLM's EAGLE-3 chain at the same number of draft tokens
+    check("MAT tail / eagle3 chain", ratio("tail", "eagle3"), 1.0)
+    check("tokens/s tail / eagle3 chain", ratio("tail", "eagle3", "tokens_per_s"), 1.0)
     mat = {(r["method"], r["dataset"]): r["mat"] for r in rows or []}
     for dataset in NO_LOSS_DATASETS:
         if ("graft", dataset) in mat and mat.get(("graft_no_context", dataset)):

@@ -37,6 +37,7 @@ class BenchConfig:
     chain_tokens: int = 5
     warmup: str | None = None
     calibration: str | None = None
+    tail_calibration: str | None = None  # Graft-TAIL's, for chains of chain_tokens
     dtype: str = "float32"
     max_num_seqs: int = 16
     ablations: bool = False
@@ -144,7 +145,7 @@ def run_methods(config: BenchConfig, prompt_ids: dict[str, list], method_list,
     rows, outputs = [], {}
     for method in tqdm(method_list, desc=label or "methods", unit="method"):
         spec = method.speculative_config(config.head, config.warmup, config.calibration,
-                                         config.drafter)
+                                         config.drafter, config.tail_calibration)
         if spec is not None and extra_graft and method.kind == "graft":
             spec["graft"].update(extra_graft)
             spec["graft"] = {k: v for k, v in spec["graft"].items() if v is not None}

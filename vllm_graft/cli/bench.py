@@ -21,7 +21,8 @@ from vllm_graft.assets.models import MODELS, prepare_model
 from vllm_graft.assets.pypi import default_cache_dir
 
 ALL_METHODS = ["plain", "eagle3", "ngram", "suffix", "dense_tree", "prune_only",
-               "retrieval_only", "graft_no_context", "graft", "graft_chain", "graft_auto"]
+               "retrieval_only", "graft_no_context", "graft", "graft_chain", "graft_auto",
+               "tail", "tail_auto"]
 ALL_DATASETS = ["humaneval", "mtbench", "gsm8k", "code-edit", "essays-4k", "code-4k", "code-8k",
                 "code-16k"]
 COMMITTED_HEADS = Path(__file__).resolve().parents[2] / "assets" / "heads"
@@ -47,9 +48,14 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=10, help="prompts per dataset")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--budget", type=int, default=60)
+    p.add_argument("--chain-tokens", type=int, default=5,
+                   help="draft tokens of the chain methods: vLLM's EAGLE-3 and ngram, "
+                   "Graft-TAIL (tail)")
     p.add_argument("--warmup", help="successor matrix file (default: 5 warm-up rounds)")
     p.add_argument("--warmup-rounds", type=int, default=5)
     p.add_argument("--calibration", help="calibration file (default: fitted in this run)")
+    p.add_argument("--tail-calibration", help="Graft-TAIL calibration file for chains of "
+                   "--chain-tokens (default: fitted in this run when tail is benchmarked)")
     p.add_argument("--no-calibration", action="store_true", help="use default thresholds")
     p.add_argument("--draft-cost", type=float, default=0.1,
                    help="calibration: one draft step's cost relative to a verification")
@@ -106,10 +112,20 @@ def main(argv=None) -> int:
             run_calibration(target, str(head), Path(calibration), warmup=warmup, rounds=5,
                             max_tokens=256, cache_dir=cache, draft_cost=args.draft_cost,
                             budget=args.budget, dtype=args.dtype, extra_graft=extra)
+    tail_calibration = args.tail_calibration
+    tails = {"tail", "tail_auto"} & set(args.methods + args.batch_methods)
+    if tail_calibration is None and not args.no_calibration and tails:
+        tail_calibration = str(args.out / f"calibration-tail{args.chain_tokens}.json")
+        if not Path(tail_calibration).is_file():
+            run_calibration(target, str(head), Path(tail_calibration), warmup=warmup,
+                            rounds=5, max_tokens=256, cache_dir=cache,
+                            draft_cost=args.draft_cost, budget=args.chain_tokens,
+                            dtype=args.dtype, extra_graft=extra, variant="tail")
     config = BenchConfig(
         target=target, head=str(head), out=args.out, cache_dir=cache, methods=args.methods,
         datasets=args.datasets, prompts=args.prompts, max_tokens=args.max_tokens,
-        budget=args.budget, warmup=warmup, calibration=calibration, dtype=args.dtype,
+        budget=args.budget, chain_tokens=args.chain_tokens, warmup=warmup,
+        calibration=calibration, tail_calibration=tail_calibration, dtype=args.dtype,
         max_num_seqs=args.max_num_seqs, ablations=args.ablations, drafter=drafter,
         batch_sizes=args.batch_sizes, batch_methods=args.batch_methods,
         command="vllm-graft bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])))

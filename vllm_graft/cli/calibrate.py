@@ -9,6 +9,12 @@
    the freed slots (with the warmed-up successor matrix).
 3. A coordinate search picks the thresholds that maximise accepted tokens per unit of
    step cost, a step costing ``1 + draft_cost * draft_forwards`` (verification = 1).
+
+``--variant tail`` calibrates Graft-TAIL chains of ``--budget`` tokens the same way:
+unpruned chains record the cumulative confidence after each draft step and how many
+drafted tokens were accepted, one run per checkpoint stops every chain there to measure
+what the retrieved tail adds, and the search fits the thresholds each checkpoint holds
+until the next (:func:`vllm_graft.core.calibration.fit_chain_thresholds`).
 """
 
 from __future__ import annotations
@@ -20,13 +26,19 @@ from pathlib import Path
 from vllm_graft.assets import datasets
 from vllm_graft.assets.pypi import default_cache_dir
 from vllm_graft.cli.common import (add_engine_arguments, corpus_sha256, counter_delta,
-                                   counters, engine, graft_config_dict, render_prompts)
+                                   counters, drafter_graft_keys, engine, graft_config_dict,
+                                   render_prompts)
 
 
 def run_calibration(model: str, head: str, out: Path, *, warmup: str | None, rounds: int,
                     max_tokens: int, cache_dir: Path, draft_cost: float, budget: int = 60,
                     dtype: str = "float32", max_model_len: int = 4096, offset: int = 100,
-                    extra_graft: dict | None = None) -> dict:
+                    extra_graft: dict | None = None, variant: str = "graft") -> dict:
+    if variant == "tail":
+        return run_tail_calibration(
+            model, head, out, warmup=warmup, rounds=rounds, max_tokens=max_tokens,
+            cache_dir=cache_dir, draft_cost=draft_cost, length=budget, dtype=dtype,
+            max_model_len=max_model_len, offset=offset, extra_graft=extra_graft)
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
@@ -84,6 +96,75 @@ def run_calibration(model: str, head: str, out: Path, *, warmup: str | None, rou
     return calibration.model_dump(mode="json")
 
 
+def run_tail_calibration(model: str, head: str, out: Path, *, warmup: str | None,
+                         rounds: int, max_tokens: int, cache_dir: Path, draft_cost: float,
+                         length: int, dtype: str = "float32", max_model_len: int = 4096,
+                         offset: int = 100, extra_graft: dict | None = None) -> dict:
+    """The Graft-TAIL calibration of chains of ``length`` tokens (module docstring)."""
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    from vllm_graft.core.calibration import (CALIBRATION_FORMAT_VERSION, Calibration,
+                                             ChainRecord, ModelIdentity, fingerprint_model,
+                                             fit_chain_thresholds)
+    from vllm_graft.core.config import GraftConfig
+    from vllm_graft.vllm.rpc import start_tree_recording, take_tree_records
+
+    extra = {key: value for key, value in (extra_graft or {}).items() if key != "variant"}
+    config = GraftConfig(variant="tail", budget=length, **extra)
+    checkpoints = config.checkpoints
+    prompts = datasets.sharegpt(cache_dir, limit=rounds, offset=offset)
+    rendered = render_prompts(AutoTokenizer.from_pretrained(model), prompts)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    if warmup:
+        extra["warmup"] = warmup
+    start = time.time()
+
+    never = [0.0] * len(checkpoints)
+    unpruned = graft_config_dict(head, variant="tail", budget=length, thresholds=never,
+                                 **extra)
+    with engine(model, unpruned, dtype=dtype, max_model_len=max_model_len) as llm:
+        llm.collective_rpc(start_tree_recording)
+        llm.generate(rendered, params, use_tqdm=True)
+        raw = llm.collective_rpc(take_tree_records)[0]
+    # chains the scheduler cut short (near the length limit) say nothing about the rest
+    records = [ChainRecord(tuple(r["confidence"]), len(r["accepted_rows"])) for r in raw
+               if len(r["depths"]) == length + 1]
+
+    gains, kept_mean = [], []
+    for i, checkpoint in enumerate(checkpoints):
+        kept = sum(min(r.accepted, checkpoint) for r in records) / max(len(records), 1)
+        kept_mean.append(kept)
+        if checkpoint >= length:  # never reached by a chain this short
+            gains.append(0.0)
+            continue
+        forced = [0.0] * len(checkpoints)
+        forced[i] = 1.0  # confidence never exceeds 1: every chain stops at this step
+        spec = graft_config_dict(head, variant="tail", budget=length, thresholds=forced,
+                                 **extra)
+        with engine(model, spec, dtype=dtype, max_model_len=max_model_len) as llm:
+            before = counters(llm)
+            llm.generate(rendered, params, use_tqdm=True)
+            d = counter_delta(counters(llm), before)
+        hybrid = d["spec_decode_num_accepted_tokens"] / max(d["spec_decode_num_drafts"], 1)
+        gains.append(max(hybrid - kept, 0.0))
+
+    thresholds, fit = fit_chain_thresholds(records, checkpoints, tuple(gains), length,
+                                           draft_cost=draft_cost)
+    calibration = Calibration(
+        format_version=CALIBRATION_FORMAT_VERSION, checkpoints=checkpoints,
+        thresholds=thresholds, budget=length, draft_keep=config.draft_keep,
+        template="top1_walk", shape="chain",
+        target=ModelIdentity(name=Path(model).name, fingerprint=fingerprint_model(model)),
+        drafter=ModelIdentity(name=Path(head).name, fingerprint=fingerprint_model(head)),
+        warmup_corpus_sha256=corpus_sha256(prompts),
+        fit={**fit, "kept_accepted_mean": [round(k, 3) for k in kept_mean],
+             "seconds": round(time.time() - start, 1), "rounds": rounds,
+             "warmup_file": warmup})
+    calibration.save(out)
+    return calibration.model_dump(mode="json")
+
+
 def main(argv=None) -> int:
     from vllm_graft.cli.main import cpu_runtime_defaults
 
@@ -94,12 +175,18 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="calibration conversations")
     p.add_argument("--draft-cost", type=float, default=0.1,
                    help="cost of one draft step relative to one verification")
+    p.add_argument("--variant", choices=["graft", "tail"], default="graft",
+                   help="calibrate Graft trees, or Graft-TAIL chains of --budget tokens")
     add_engine_arguments(p)
     args = p.parse_args(argv)
+    if args.drafter == "dflash" and args.variant != "tail":
+        p.error("--drafter dflash drafts blocks: calibrate them with --variant tail")
     cpu_runtime_defaults()
     result = run_calibration(args.model, args.head, args.out, warmup=args.warmup,
                              rounds=args.rounds, max_tokens=args.max_tokens,
                              cache_dir=args.cache_dir or default_cache_dir(),
-                             draft_cost=args.draft_cost, budget=args.budget, dtype=args.dtype)
+                             draft_cost=args.draft_cost, budget=args.budget, dtype=args.dtype,
+                             variant=args.variant,
+                             extra_graft=drafter_graft_keys(args.drafter))
     print({"thresholds": result["thresholds"], **result["fit"]})
     return 0

@@ -73,13 +73,26 @@ def counter_delta(after: dict, before: dict) -> dict:
 
 def add_engine_arguments(parser) -> None:
     """The arguments every engine-driving tool takes after MODEL."""
-    parser.add_argument("--head", required=True, help="EAGLE-3 head directory")
+    parser.add_argument("--head", required=True,
+                        help="EAGLE-3 head directory (or the draft model, see --drafter)")
+    parser.add_argument("--drafter", choices=["eagle3", "draft_model", "dflash"],
+                        default="eagle3", help="what --head is: an EAGLE-3 head, an "
+                        "ordinary draft model, or a DFlash block drafter (Graft-TAIL)")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--budget", type=int, default=60)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="default: $VLLM_GRAFT_CACHE or ~/.cache/vllm-graft")
+
+
+def drafter_graft_keys(drafter: str) -> dict:
+    """The graft keys that select ``drafter`` (a DFlash drafter needs Graft-TAIL)."""
+    if drafter == "eagle3":
+        return {}
+    if drafter == "dflash":
+        return {"drafter": "dflash", "variant": "tail"}
+    return {"drafter": drafter}
 
 
 def graft_config_dict(head: str | Path, **graft) -> dict:

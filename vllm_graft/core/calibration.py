@@ -14,7 +14,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -45,6 +45,8 @@ class Calibration(BaseModel):
     budget: int = Field(ge=1)
     draft_keep: tuple[int, ...]
     template: str = Field(min_length=1)
+    shape: Literal["tree", "chain"] = Field(
+        "tree", description="fitted on Graft trees, or on Graft-TAIL chains (variant tail)")
     target: ModelIdentity
     drafter: ModelIdentity
     warmup_corpus_sha256: str = Field(pattern="^[0-9a-f]{64}$")
@@ -102,7 +104,15 @@ def load_calibration(path: str | os.PathLike, config: GraftConfig | None = None,
         raise CalibrationError(f"{where}: {format_validation_error(err, 'calibration')}") from None
 
     if config is not None:
-        for key in ("checkpoints", "budget", "draft_keep"):
+        shape = "chain" if config.variant.chains else "tree"
+        if calibration.shape != shape:
+            raise CalibrationError(
+                f"{where}: field 'shape' is {calibration.shape!r} but graft.variant "
+                f"{config.variant.value!r} drafts {shape}s; calibrate with --variant "
+                f"{config.variant.value}")
+        keys = ("checkpoints", "budget") if config.variant.chains \
+            else ("checkpoints", "budget", "draft_keep")
+        for key in keys:
             mine, theirs = getattr(config, key), getattr(calibration, key)
             if mine != theirs:
                 raise CalibrationError(
@@ -177,6 +187,32 @@ def simulate(records: list[TreeRecord], thresholds: tuple[float, ...],
     return tokens / n, steps / n, tokens / max(cost, 1e-9)
 
 
+def _coordinate_search(candidates: list[list[float]], score, rounds: int = 3
+                       ) -> tuple[float, ...]:
+    """Thresholds maximising ``score(thresholds)``, one coordinate at a time; the
+    candidates of coordinate ``i``: 0, 1 (stop always) and the midpoints between the
+    sorted confidences observed where threshold ``i`` applies."""
+    thresholds = [0.0] * len(candidates)
+    for _ in range(rounds):
+        for i, observed in enumerate(candidates):
+            observed = sorted(set(observed))
+            options = [0.0, 1.0001] + [(a + b) / 2 for a, b in zip(observed, observed[1:])]
+            best = max(options, key=lambda t: score(
+                tuple(thresholds[:i] + [t] + thresholds[i + 1:])))
+            thresholds[i] = min(best, 1.0)
+    return tuple(thresholds)
+
+
+def _fit_summary(simulated, unpruned, count: int, draft_cost: float,
+                 retrieval_gain: tuple[float, ...]) -> dict:
+    def show(result):
+        mat, steps, per_cost = result
+        return {"mean_accepted_tokens": round(mat, 3), "draft_steps": round(steps, 2),
+                "tokens_per_cost": round(per_cost, 3)}
+    return {"records": count, "draft_cost": draft_cost, "retrieval_gain": list(retrieval_gain),
+            "predicted": show(simulated), "dense": show(unpruned)}
+
+
 def fit_thresholds(records: list[TreeRecord], checkpoints: tuple[int, ...],
                    retrieval_gain: tuple[float, ...], max_depth: int,
                    draft_cost: float = 0.1, rounds: int = 3) -> tuple[tuple[float, ...], dict]:
@@ -184,25 +220,84 @@ def fit_thresholds(records: list[TreeRecord], checkpoints: tuple[int, ...],
     step cost on the recorded trees (candidates: the observed confidences, 0 and 1)."""
     if not records:
         raise ValueError("no dense-tree records to fit thresholds on")
-    thresholds = [0.0] * len(checkpoints)
-    for _ in range(rounds):
-        for i, cp in enumerate(checkpoints):
-            observed = sorted({r.confidence[cp] for r in records
-                               if cp < len(r.confidence) and r.confidence[cp] == r.confidence[cp]})
-            candidates = [0.0, 1.0001] + [(a + b) / 2 for a, b in zip(observed, observed[1:])]
-            best = max(candidates, key=lambda t: simulate(
-                records, tuple(thresholds[:i] + [t] + thresholds[i + 1:]), checkpoints,
-                retrieval_gain, max_depth, draft_cost)[2])
-            thresholds[i] = min(best, 1.0)
-    mat, steps, per_cost = simulate(records, tuple(thresholds), checkpoints, retrieval_gain,
-                                    max_depth, draft_cost)
-    dense = simulate(records, tuple(0.0 for _ in checkpoints), checkpoints, retrieval_gain,
-                     max_depth, draft_cost)
-    return tuple(round(t, 4) for t in thresholds), {
-        "records": len(records), "draft_cost": draft_cost,
-        "retrieval_gain": list(retrieval_gain),
-        "predicted": {"mean_accepted_tokens": round(mat, 3), "draft_steps": round(steps, 2),
-                      "tokens_per_cost": round(per_cost, 3)},
-        "dense": {"mean_accepted_tokens": round(dense[0], 3), "draft_steps": round(dense[1], 2),
-                  "tokens_per_cost": round(dense[2], 3)},
-    }
+    candidates = [[r.confidence[cp] for r in records
+                   if cp < len(r.confidence) and r.confidence[cp] == r.confidence[cp]]
+                  for cp in checkpoints]
+
+    def run(thresholds):
+        return simulate(records, thresholds, checkpoints, retrieval_gain, max_depth,
+                        draft_cost)
+    thresholds = _coordinate_search(candidates, lambda t: run(t)[2], rounds)
+    return tuple(round(t, 4) for t in thresholds), _fit_summary(
+        run(thresholds), run(tuple(0.0 for _ in checkpoints)), len(records), draft_cost,
+        retrieval_gain)
+
+
+# ---- Graft-TAIL chains ------------------------------------------------------------------
+@dataclass(frozen=True)
+class ChainRecord:
+    """What one unpruned Graft-TAIL chain tells about pruning: the cumulative confidence
+    after each draft step, and how many of its drafted tokens were accepted."""
+
+    confidence: tuple[float, ...]
+    accepted: int
+
+
+def _stage_of_step(checkpoints: tuple[int, ...], step: int) -> int:
+    """Index of the checkpoint whose threshold is in force at draft ``step``."""
+    return max(i for i, cp in enumerate(checkpoints) if cp <= step)
+
+
+def simulate_chains(records: list[ChainRecord], thresholds: tuple[float, ...],
+                    checkpoints: tuple[int, ...], retrieval_gain: tuple[float, ...],
+                    length: int, draft_cost: float) -> tuple[float, float, float]:
+    """(tokens per step, draft steps per chain, tokens per unit cost) under
+    ``thresholds`` (:func:`vllm_graft.core.tail.step_thresholds`): a chain stops at the
+    first step ``s`` whose confidence is below the threshold in force, keeps
+    ``min(accepted, s)`` drafted tokens and gains the retrieval gain of that stage."""
+    from vllm_graft.core.tail import step_thresholds
+
+    per_step = step_thresholds(checkpoints, thresholds, length)
+    tokens = steps = cost = 0.0
+    for record in records:
+        accepted, drafted = float(record.accepted), length
+        for step, tau in enumerate(per_step):
+            c = record.confidence[step] if step < len(record.confidence) else float("nan")
+            if c == c and c < tau:
+                stage = _stage_of_step(checkpoints, step)
+                accepted = min(record.accepted, step) + retrieval_gain[stage]
+                drafted = step + 1
+                break
+        tokens += 1 + accepted
+        steps += drafted
+        cost += 1 + draft_cost * drafted
+    n = max(len(records), 1)
+    return tokens / n, steps / n, tokens / max(cost, 1e-9)
+
+
+def fit_chain_thresholds(records: list[ChainRecord], checkpoints: tuple[int, ...],
+                         retrieval_gain: tuple[float, ...], length: int,
+                         draft_cost: float = 0.1, rounds: int = 3
+                         ) -> tuple[tuple[float, ...], dict]:
+    """The Graft-TAIL thresholds that maximise accepted tokens per unit of step cost on
+    the recorded chains (candidates: the confidences observed in each threshold's
+    steps, 0 and 1). A checkpoint at or past ``length`` never applies; it keeps 0."""
+    if not records:
+        raise ValueError("no chain records to fit thresholds on")
+    if not checkpoints or checkpoints[0] != 0:
+        raise ValueError(f"chain calibration needs a checkpoint at step 0, got "
+                         f"{list(checkpoints)}")
+    bounds = [*checkpoints[1:], length]
+    candidates = [[r.confidence[s] for r in records
+                   for s in range(cp, min(end, len(r.confidence)))
+                   if r.confidence[s] == r.confidence[s]] if cp < length else []
+                  for cp, end in zip(checkpoints, bounds)]
+
+    def run(thresholds):
+        return simulate_chains(records, thresholds, checkpoints, retrieval_gain, length,
+                               draft_cost)
+    thresholds = _coordinate_search(candidates, lambda t: run(t)[2], rounds)
+    thresholds = tuple(t if cp < length else 0.0 for t, cp in zip(thresholds, checkpoints))
+    return tuple(round(t, 4) for t in thresholds), _fit_summary(
+        run(thresholds), run(tuple(0.0 for _ in checkpoints)), len(records), draft_cost,
+        retrieval_gain)

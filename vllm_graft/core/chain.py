@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from vllm_graft.core.hybrid import SOURCE_CONTEXT, SOURCE_RETRIEVED, HybridTree
-from vllm_graft.core.successor import SuccessorMatrix
+from vllm_graft.core.successor import BatchView, SuccessorMatrix
 
 
 def copied_to_tensor(copied: list[list[int]], length: int,
@@ -26,15 +26,19 @@ def copied_to_tensor(copied: list[list[int]], length: int,
     return torch.tensor(rows, dtype=torch.int64).reshape(len(copied), length).to(device)
 
 
-def build_chains(roots: torch.Tensor, copied: torch.Tensor, matrix: SuccessorMatrix,
-                 length: int, max_walk: int | None = None) -> HybridTree:
+def build_chains(roots: torch.Tensor, copied: torch.Tensor,
+                 matrix: SuccessorMatrix | BatchView, length: int,
+                 max_walk: int | None = None, *,
+                 prefix_source: int = SOURCE_CONTEXT) -> HybridTree:
     """One chain of up to ``length`` nodes under each root.
 
     roots: ``[B]`` token ids; copied: ``[B, C]`` copied continuations, -1 padded (each a
     prefix: no token after a -1). Node ``j`` is the copied token when there is one,
     otherwise the top successor of node ``j - 1``, for at most ``max_walk`` nodes after
     the copied ones (None: up to ``length``); a miss ends the chain. Sources:
-    ``SOURCE_CONTEXT`` for copied nodes, ``SOURCE_RETRIEVED`` for walked ones. Batched:
+    ``prefix_source`` for the given prefix (``SOURCE_CONTEXT`` for copied context,
+    ``SOURCE_DRAFT`` for Graft-TAIL's drafted prefix), ``SOURCE_RETRIEVED`` for walked
+    ones. Batched:
     one matrix gather per chain position for the whole batch, no host read.
     """
     if length < 0 or (max_walk is not None and max_walk < 0):
@@ -49,7 +53,7 @@ def build_chains(roots: torch.Tensor, copied: torch.Tensor, matrix: SuccessorMat
     width = min(length, copied.shape[1])
     tokens[:, 1:width + 1] = copied[:, :width].to(device)
     source[:, 1:width + 1] = torch.where(copied[:, :width].to(device) >= 0,
-                                         SOURCE_CONTEXT, 0).to(torch.uint8)
+                                         prefix_source, 0).to(torch.uint8)
     walk_end = (tokens[:, 1:] >= 0).sum(1) + (length if max_walk is None else max_walk)
     rank = torch.zeros(batch, dtype=torch.int64, device=device)
     for j in range(1, length + 1):

@@ -27,6 +27,7 @@ class Variant(str, Enum):
     DENSE_TREE = "dense_tree"  # EAGLE-3 dynamic tree, no pruning, no retrieval
     PRUNE_ONLY = "prune_only"  # ECHO-like: pruning, freed slots stay empty
     RETRIEVAL_ONLY = "retrieval_only"  # Token-Recycling-like: no drafter at all
+    TAIL = "tail"  # Graft-TAIL: a drafted chain, its unsure tail retrieved
 
     @property
     def drafts(self) -> bool:
@@ -34,11 +35,16 @@ class Variant(str, Enum):
 
     @property
     def prunes(self) -> bool:
-        return self in (Variant.GRAFT, Variant.PRUNE_ONLY)
+        return self in (Variant.GRAFT, Variant.PRUNE_ONLY, Variant.TAIL)
 
     @property
     def retrieves(self) -> bool:
-        return self in (Variant.GRAFT, Variant.RETRIEVAL_ONLY)
+        return self in (Variant.GRAFT, Variant.RETRIEVAL_ONLY, Variant.TAIL)
+
+    @property
+    def chains(self) -> bool:
+        """Whether the drafts are chains (:mod:`vllm_graft.core.tail`), not trees."""
+        return self is Variant.TAIL
 
 
 class TreeShape(str, Enum):
@@ -101,6 +107,11 @@ PAPER_DRAFT_KEEP = (8, 24, 40)
 #: Chosen so that a weak drafter stops early at the root (top-1 draft probability
 #: below 0.35) while a confident one drafts on; ``vllm-graft calibrate`` replaces them.
 DEFAULT_THRESHOLDS = (0.35, 0.25, 0.15)
+
+#: Draft tokens of a Graft-TAIL chain under ``budget: "auto"`` (the cap the per-step
+#: sizing works under), the chain length vLLM's EAGLE-3 examples use.
+DEFAULT_TAIL_LENGTH = 5
+MAX_TAIL_LENGTH = 32
 
 #: Prior acceptance probability of the successor at each rank of the matrix (rank 0 =
 #: the target's most likely next token). Retrieval templates are the best-first
@@ -196,14 +207,27 @@ class IsolationConfig(BaseModel):
         description="the request's extra argument that names its tenant")
 
 
+def _refuse_auto_dflash_budget(data: Any) -> Any:
+    """A DFlash drafter proposes a block of a fixed size in one forward: its budget is
+    that size, never sized per step."""
+    if isinstance(data, dict) and data.get("drafter") == "dflash" \
+            and data.get("budget", "auto") == "auto":
+        raise ValueError("budget: drafter 'dflash' drafts blocks of a fixed size: set budget "
+                         "to the number of draft tokens per block (e.g. 16)")
+    return data
+
+
 def _expand_auto_budget(data: Any) -> Any:
-    """``budget: "auto"`` (the default) is the paper's budget as a cap, with per-step
-    sizing and the throughput guard on; a number is a fixed budget. An explicit
-    ``auto_size`` is kept (a config dumped with its every key reads back the same)."""
+    """``budget: "auto"`` (the default) is the paper's budget as a cap (a Graft-TAIL
+    chain's: :data:`DEFAULT_TAIL_LENGTH`), with per-step sizing and the throughput guard
+    on; a number is a fixed budget. An explicit ``auto_size`` is kept (a config dumped
+    with its every key reads back the same)."""
     if not isinstance(data, dict):
         return data
+    _refuse_auto_dflash_budget(data)
     if data.get("budget", "auto") == "auto":
-        return {**data, "budget": PAPER_BUDGET, "auto_size": data.get("auto_size", True)}
+        cap = DEFAULT_TAIL_LENGTH if data.get("variant") == Variant.TAIL.value else PAPER_BUDGET
+        return {**data, "budget": cap, "auto_size": data.get("auto_size", True)}
     return data
 
 
@@ -212,8 +236,10 @@ class GraftConfig(BaseModel):
 
     ``budget`` counts candidate nodes, excluding the root (the last accepted token,
     which is verified anyway), so one verification step processes ``budget + 1``
-    rows per request. Checkpoint ``d`` is the ``d``-th draft step (0 = the root's
-    children, at tree depth ``d + 1``).
+    rows per request. For ``variant: "tail"`` it is the chain's number of draft tokens
+    (drafted prefix plus retrieved tail); the tree-only keys (``top_k``, ``max_depth``,
+    ``draft_keep``, the retrieval template) do not apply there. Checkpoint ``d`` is the
+    ``d``-th draft step (0 = the root's children, at tree depth ``d + 1``).
 
     ``tree_shape`` (``"auto"`` | ``"fixed"`` | ``"dynamic"``, default ``"auto"``): with
     ``fixed`` every request's tree has exactly ``budget`` nodes besides the root
@@ -228,8 +254,9 @@ class GraftConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     variant: Variant = Variant.GRAFT
-    drafter: str = Field("eagle3", pattern="^(eagle3|draft_model)$",
-                         description="an EAGLE-3 head, or an ordinary draft model")
+    drafter: str = Field("eagle3", pattern="^(eagle3|draft_model|dflash)$",
+                         description="an EAGLE-3 head, an ordinary draft model, or a "
+                         "DFlash block drafter (variant tail only)")
     budget: int = Field(60, ge=1, le=256, description="candidate nodes per tree, or "
                         "\"auto\" (the default): 60 as a cap, sized per step")
     top_k: int = Field(10, ge=1, le=64, description="drafter branching factor")
@@ -369,6 +396,20 @@ class GraftConfig(BaseModel):
             raise ValueError(f"context.cross_request copies from every request's outputs: "
                              f"it needs isolation 'global' (isolation is "
                              f"{self.isolation.mode!r})")
+        if self.drafter == "dflash" and not self.variant.chains:
+            raise ValueError(f"drafter 'dflash' drafts blocks, which Graft grafts as "
+                             f"chains: it needs variant 'tail' (variant is "
+                             f"{self.variant.value!r})")
+        if self.drafter == "dflash" and self.auto_size:
+            raise ValueError("drafter 'dflash': auto_size is not available (one drafter "
+                             "forward proposes the whole block)")
+        if self.variant.chains and self.uses_context:
+            raise ValueError("variant 'tail' drafts chains without context copies: "
+                             "remove the context section (or set it to false)")
+        if self.variant.chains and self.budget > MAX_TAIL_LENGTH:
+            raise ValueError(f"variant 'tail': budget is the chain length, at most "
+                             f"{MAX_TAIL_LENGTH} (one drafter forward per token), got "
+                             f"{self.budget}")
         if self.successor_state is not None and self.isolation.mode != "global":
             raise ValueError(f"successor_state saves one shared matrix: it needs isolation "
                              f"'global' (isolation is {self.isolation.mode!r})")
@@ -417,6 +458,11 @@ class GraftConfig(BaseModel):
         if self.context is None:
             return self.variant is Variant.GRAFT
         return self.context.enabled
+
+    @property
+    def draft_top_k(self) -> int:
+        """Tokens the drafter ranks per node: ``top_k`` for trees, 1 for chains."""
+        return 1 if self.variant.chains else self.top_k
 
     @property
     def draft_candidates(self) -> int:

@@ -4,7 +4,8 @@
 drafter callback and the target's logits at every tree row, and gets back a tree per
 request (tensors padded to ``budget + 1`` rows) to verify and, after verification, an
 updated successor matrix. The variant switches parts off for the ablations
-(``dense_tree``, ``prune_only``, ``retrieval_only``).
+(``dense_tree``, ``prune_only``, ``retrieval_only``); ``tail`` builds Graft-TAIL chains
+instead of trees (:mod:`vllm_graft.core.tail`).
 
 Tree shapes (``GraftConfig.tree_shape``, resolved by
 :func:`vllm_graft.core.config.resolve_tree_shape`):
@@ -57,6 +58,7 @@ from vllm_graft.core.draft_tree import DraftTree, DraftTreeBuilder, Drafter
 from vllm_graft.core.hybrid import (SOURCE_CONTEXT, SOURCE_DRAFT, SOURCE_PAD, SOURCE_RETRIEVED,
                                     HybridTree, merge_and_flatten, pad_to_budget)
 from vllm_graft.core.successor import SuccessorMatrix
+from vllm_graft.core.tail import TailChainDrafter, graft_tail, step_thresholds
 from vllm_graft.core.templates import RetrievalTemplate, TemplateExpander
 
 
@@ -123,6 +125,13 @@ class GraftTreeBuilder:
             self.replace_below = float(self.thresholds[-1])
             self.replace_keep = int(config.draft_keep[-1])
         self.drafter_tree = None
+        self.tail_drafter = None
+        if variant.chains:  # Graft-TAIL: no tree drafting, no template
+            self.tail_drafter = TailChainDrafter(
+                config.budget, step_thresholds(config.checkpoints, tuple(self.thresholds),
+                                               config.budget), self.device)
+            self.expander = None
+            return
         if variant.drafts:
             pruning = variant.prunes
             self.drafter_tree = DraftTreeBuilder(
@@ -170,6 +179,8 @@ class GraftTreeBuilder:
         batch = root_tokens.shape[0]
         matrix = self.matrix.for_batch(partitions)
         root_tokens = root_tokens.to(self.device).long()
+        if self.tail_drafter is not None:
+            return self._build_tail(root_tokens, drafter, matrix)
         parts = []
         if context is not None:
             tokens, parents, depths = (part.to(self.device) for part in context)
@@ -211,6 +222,50 @@ class GraftTreeBuilder:
         if self.fixed_shape:
             tree = pad_to_budget(tree, self.matrix.vocab_size)
         return tree, self._stats(tree, stage, steps, lookups, hits, confidence, replaced)
+
+    def _build_tail(self, roots: torch.Tensor, drafter: Drafter | None,
+                    matrix) -> tuple[HybridTree, BuildStats]:
+        """Graft-TAIL (:mod:`vllm_graft.core.tail`): one chain of ``budget`` tokens per
+        request. ``stage`` is the checkpoint whose threshold stopped the drafting (the
+        latest one at or before the stopping step), ``len(checkpoints)`` if none did."""
+        if drafter is None:
+            raise ValueError("variant 'tail' needs a drafter")
+        return self._tail_chain(roots, self.tail_drafter.draft(roots, drafter), matrix)
+
+    def build_from_block(self, root_tokens: torch.Tensor, block_tokens: torch.Tensor,
+                         block_logprobs: torch.Tensor, partitions: torch.Tensor | None = None
+                         ) -> tuple[HybridTree, BuildStats]:
+        """Graft-TAIL on a block drafter (DFlash): each request's block of ``budget``
+        tokens (``[B, budget]``, with each token's log-probability) keeps its confident
+        prefix, and retrieval grafts the rest (:meth:`TailChainDrafter.from_block`).
+        Chains are padded to exactly ``budget`` tokens whatever the tree shape: a block
+        drafter's verification has one shape."""
+        if self.tail_drafter is None:
+            raise ValueError("blocks are grafted by variant 'tail' only")
+        roots = root_tokens.to(self.device).long()
+        draft = self.tail_drafter.from_block(block_tokens.to(self.device),
+                                             block_logprobs.to(self.device))
+        return self._tail_chain(roots, draft, self.matrix.for_batch(partitions),
+                                fixed_shape=True)
+
+    def _tail_chain(self, roots: torch.Tensor, draft, matrix, fixed_shape: bool | None = None
+                    ) -> tuple[HybridTree, BuildStats]:
+        length = self.config.budget
+        fixed = self.fixed_shape if fixed_shape is None else fixed_shape
+        chain = graft_tail(roots, draft, matrix, length, fixed_shape=fixed,
+                           vocab_size=self.matrix.vocab_size)
+        checkpoints = torch.tensor(self.config.checkpoints, dtype=torch.long,
+                                   device=self.device)
+        stopped = draft.stop_step < length
+        stage = torch.where(
+            stopped, torch.searchsorted(checkpoints, draft.stop_step, right=True) - 1,
+            self.full_stage)
+        # the walk looks up each retrieved token, and one more where a miss ended it
+        walked = (chain.valid & (chain.source == SOURCE_RETRIEVED)).sum(1)
+        lookups = torch.minimum(walked + 1, length - draft.kept)
+        stats = self._stats(chain, stage, draft.steps, lookups, walked, draft.confidence,
+                            torch.zeros_like(draft.steps))
+        return chain, stats
 
     def _replace_low_confidence(self, draft: DraftTree
                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -125,3 +125,56 @@ def build_eagle3_head(target_dir: str | os.PathLike, out_dir: str | os.PathLike,
     save_file(weights, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
+
+
+def build_dflash_drafter(target_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
+                         layers: int = 1, seed: int = 2, scale: float = 0.02) -> Path:
+    """Random DFlash block drafter for ``target_dir``, in the layout vLLM's
+    ``DFlashQwen3ForCausalLM`` loads (``DFlashDraftModel``: Qwen3 decoder layers over
+    the target's fused hidden states, ``fc`` + ``hidden_norm``; embeddings and LM head
+    shared with the target). Its layers attend causally (``dflash_config.causal``), the
+    attention vLLM's CPU backend provides; the mask token is the tokenizer's pad."""
+    from safetensors.torch import save_file
+
+    t = json.loads((Path(target_dir) / "config.json").read_text())
+    hidden, vocab, inter = t["hidden_size"], t["vocab_size"], t["intermediate_size"]
+    heads, kv_heads, head_dim = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
+    target_layers = t["num_hidden_layers"]
+    aux = [0, target_layers // 2 - 1, target_layers - 2]  # DFlash ids: vLLM adds 1
+    cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+           "hidden_size": hidden, "intermediate_size": inter, "num_attention_heads": heads,
+           "num_key_value_heads": kv_heads, "head_dim": head_dim, "num_hidden_layers": layers,
+           "vocab_size": vocab, "rms_norm_eps": 1e-6,
+           "max_position_embeddings": t["max_position_embeddings"], "rope_theta": 10000.0,
+           "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "float32",
+           "bos_token_id": t["bos_token_id"], "eos_token_id": t["eos_token_id"],
+           "num_target_layers": target_layers,
+           "dflash_config": {"mask_token_id": t["pad_token_id"], "target_layer_ids": aux,
+                             "causal": True}}
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=g) * scale).float()
+
+    weights = {"fc.weight": rand(hidden, len(aux) * hidden),
+               "hidden_norm.weight": torch.ones(hidden), "norm.weight": torch.ones(hidden)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        weights.update({
+            p + "input_layernorm.weight": torch.ones(hidden),
+            p + "post_attention_layernorm.weight": torch.ones(hidden),
+            p + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+            p + "self_attn.q_norm.weight": torch.ones(head_dim),
+            p + "self_attn.k_norm.weight": torch.ones(head_dim),
+            p + "mlp.gate_proj.weight": rand(inter, hidden),
+            p + "mlp.up_proj.weight": rand(inter, hidden),
+            p + "mlp.down_proj.weight": rand(hidden, inter),
+        })
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(weights, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out

@@ -6,7 +6,7 @@ user's form
     {"method": "graft", "model": HEAD, "graft": {...}}
 
 is translated before vLLM validates it: vLLM gets an EAGLE-3 config (or a
-``draft_model`` one with ``"graft": {"drafter": "draft_model"}``) whose
+``draft_model`` / ``dflash`` one with ``"graft": {"drafter": ...}``) whose
 ``num_speculative_tokens`` is the tree budget (so the scheduler reserves a tree's worth
 of slots per request), and the ``graft`` block travels in
 ``VllmConfig.additional_config["graft"]`` (part of the config hash, present in every
@@ -34,6 +34,9 @@ logger = logging.getLogger(__name__)
 GRAFT_METHOD = "graft"
 ADDITIONAL_CONFIG_KEY = "graft"
 _FILE_KEYS = ("calibration", "warmup")
+#: the vLLM speculative method that loads each ``graft.drafter``
+VLLM_METHOD_OF_DRAFTER = {"eagle3": "eagle3", "draft_model": "draft_model",
+                          "dflash": "dflash"}
 
 
 def load_speculative_config_arg(value: str) -> dict[str, Any]:
@@ -138,7 +141,7 @@ def translate_speculative_config(spec: dict[str, Any], *, target_model: str | No
         config = GraftConfig.from_dict(settings, where="speculative_config.graft")
     check_files(config, target_model=target_model, drafter_model=spec["model"],
                 target_vocab_size=target_vocab_size, target_tokenizer=target_tokenizer)
-    spec.update(method="eagle3" if config.drafter == "eagle3" else "draft_model",
+    spec.update(method=VLLM_METHOD_OF_DRAFTER[config.drafter],
                 num_speculative_tokens=config.budget)
     return spec, settings
 

@@ -13,7 +13,7 @@ through the general-plugin entry point.
 | 2b | ``sampling_params.SamplingParams._validate_spec_decode`` | allow min_p, logit_bias; refuse thinking budgets; check Graft request fields (400) |
 | 2c | ``config.VllmConfig.use_v2_model_runner`` | Graft engines use the V1 runner |
 | 2d | ``entrypoints.openai.{chat_completion,completion}.protocol.*Request.to_sampling_params`` | the OpenAI ``user`` field names the tenant (``graft.isolation``) |
-| 3 | ``v1.worker.gpu_model_runner.GPUModelRunner.__init__`` | GraftProposer as drafter |
+| 3 | ``v1.worker.gpu_model_runner.GPUModelRunner.__init__`` | GraftProposer (or its draft-model / DFlash form) as drafter |
 | 3b | ``v1.worker.gpu_model_runner.build_logitsprocs`` | built-in logits processors on |
 | 4 | ``GPUModelRunner.initialize_kv_cache`` | start-up checks of tree attention |
 | 5 | ``GPUModelRunner._update_states`` | forget finished / preempted requests |
@@ -21,7 +21,7 @@ through the general-plugin entry point.
 | 7 | ``GPUModelRunner._model_forward`` | tree plan active in the target forward |
 | 8 | ``GPUModelRunner._sample`` | lossless tree acceptance, KV move, matrix update |
 | 9 | ``GPUModelRunner._input_fits_in_drafter`` | per-request fit is Graft's job |
-| 10 | ``GPUModelRunner.propose_draft_token_ids`` | catch-up + tree drafting |
+| 10 | ``GPUModelRunner.propose_draft_token_ids`` | catch-up + tree drafting (DFlash: vLLM's block proposal, then Graft-TAIL) |
 | 11 | ``GPUModelRunner.sample_tokens`` | ship Graft counters with the output; periodic successor-state save |
 | 11b | ``GPUModelRunner.shutdown`` | save the successor state (``graft.successor_state``) |
 | 12 | ``v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward`` (on GPUs: the ``forward`` of the attention implementation in use, patched when the KV cache is created) | tree mask |
@@ -260,7 +260,8 @@ def _patch_runner() -> list[Patch]:
 
     from vllm_graft.vllm import runner as graft_runner
     from vllm_graft.vllm.config import ADDITIONAL_CONFIG_KEY
-    from vllm_graft.vllm.proposer import GraftDraftModelProposer, GraftProposer
+    from vllm_graft.vllm.proposer import (GraftDFlashProposer, GraftDraftModelProposer,
+                                          GraftProposer)
     from vllm_graft.vllm.kv_blocks import PagedKVLayout
     from vllm_graft.vllm.timing import device_clock
     from vllm_graft.vllm.tree_attention import active_plan, check_impl_supported, kv_reader
@@ -285,8 +286,8 @@ def _patch_runner() -> list[Patch]:
                 or parallel.use_ubatching):
             raise ValueError("Graft supports tensor parallelism only (no pipeline "
                              "parallelism, decode context parallelism or micro-batching)")
-        proposer = GraftDraftModelProposer \
-            if vllm_config.speculative_config.method == "draft_model" else GraftProposer
+        proposer = {"draft_model": GraftDraftModelProposer, "dflash": GraftDFlashProposer}.get(
+            vllm_config.speculative_config.method, GraftProposer)
         self.drafter = proposer(self.vllm_config, self.device, self)
         self._graft_stats = graft_runner.GraftStats()
 
@@ -357,6 +358,11 @@ def _patch_runner() -> list[Patch]:
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
                                 hidden_states, sample_hidden_states, aux_hidden_states,
                                 *args, **kwargs):
+        if on(self) and isinstance(self.drafter, GraftDFlashProposer):
+            return graft_runner.propose_with_blocks(
+                self, sampled_token_ids, lambda: call_original(cls, "propose_draft_token_ids")(
+                    self, scheduler_output, sampled_token_ids, sampling_metadata,
+                    hidden_states, sample_hidden_states, aux_hidden_states, *args, **kwargs))
         if on(self):
             return graft_runner.propose_with_trees(self, scheduler_output, sampled_token_ids,
                                                    aux_hidden_states or [hidden_states])

@@ -35,6 +35,7 @@ import torch
 
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.spec_decode.eagle import EagleProposer
 
@@ -495,7 +496,8 @@ class GraftTreeDrafting:
         return last_rows, last_hidden, next_hidden
 
     def _top_k_of_logits(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return logits.float().log_softmax(dim=-1).topk(self.settings.config.top_k, dim=-1)
+        return logits.float().log_softmax(dim=-1).topk(self.settings.config.draft_top_k,
+                                                        dim=-1)
 
 
 class GraftProposer(GraftTreeDrafting, EagleProposer):
@@ -560,6 +562,72 @@ class GraftDraftModelProposer(GraftTreeDrafting, DraftModelProposer):
 
     def _top_k(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self._top_k_of_logits(self.model.compute_logits(hidden))
+
+
+class GraftDFlashProposer(GraftTreeDrafting, DFlashProposer):
+    """vLLM's DFlash block drafter under Graft-TAIL (``"drafter": "dflash"``, variant
+    ``tail``).
+
+    vLLM prepares and runs DFlash as usual: one forward proposes a block of ``budget``
+    tokens per request. Its sampling keeps each block token's log-probability, and
+    :meth:`graft_blocks` keeps each block's confident prefix (cumulative confidence
+    against the calibrated thresholds) and continues it with the successor matrix's
+    top-1 walk, padded to the block's length. The chains are verified with the
+    target's causal attention and Graft's lossless acceptance, and every verified row
+    teaches the matrix, as for Graft's own chains."""
+
+    def __init__(self, vllm_config, device, runner=None):
+        super().__init__(vllm_config, device, runner)
+        if self.use_heterogeneous_vocab:
+            raise ValueError("Graft's DFlash drafter must share the target's vocabulary")
+        self._init_graft(vllm_config, device)
+        self.block_logprobs: torch.Tensor | None = None
+
+    def dummy_run(self, *args, **kwargs) -> None:
+        """DFlash's own: its one forward already covers the whole block."""
+        return DFlashProposer.dummy_run(self, *args, **kwargs)
+
+    def _sample_draft_tokens(self, hidden_states, sampling_metadata):
+        """Greedy block tokens, and each one's log-probability (what Graft-TAIL gates);
+        drafts are deterministic, so Graft's acceptance is exact for sampled requests."""
+        logprobs = self.model.compute_logits(hidden_states).float().log_softmax(dim=-1)
+        values, ids = logprobs.max(dim=-1)
+        self.block_logprobs = values
+        return ids, None
+
+    @torch.inference_mode()
+    def graft_blocks(self, runner, blocks: torch.Tensor, sampled_token_ids: torch.Tensor
+                     ) -> list[list[int]]:
+        """Graft-TAIL chains from this step's DFlash blocks; returns drafts in
+        persistent-batch order (none for requests that decode plainly)."""
+        self.last_build = None
+        req_ids = runner.input_batch.req_ids
+        drafts: list[list[int]] = [[] for _ in req_ids]
+        batch, length = blocks.shape
+        sampled = sampled_token_ids[:batch].cpu()
+        valid = (sampled >= 0).sum(1)
+        rows = []
+        for row in range(batch):
+            req_state = runner.requests[req_ids[row]]
+            if valid[row] == 0 or runner.discard_request_mask.np[row] or plain_decoding_reason(
+                    req_state.sampling_params, len(req_state.output_token_ids)) is not None:
+                continue
+            rows.append(row)
+        if not rows:
+            return drafts
+        index = torch.tensor(rows, dtype=torch.long)
+        roots = sampled[index, valid[index] - 1].long()
+        device_index = index.to(blocks.device)
+        logprobs = self.block_logprobs.view(batch, length)[device_index]
+        chain, stats = self.tree_builder.build_from_block(
+            roots.to(self.device), blocks[device_index], logprobs,
+            self.partitions(runner, [req_ids[row] for row in rows]))
+        self.last_build = stats
+        chain = agree(chain.to("cpu"))  # the ranks of a tensor-parallel engine verify one
+        stages, confidence = stats.stage.tolist(), stats.confidence.cpu()
+        for t, row in enumerate(rows):
+            self._schedule(chain, t, req_ids[row], row, drafts, stages[t], confidence[t])
+        return drafts
 
 
 class _TreeExpansion:

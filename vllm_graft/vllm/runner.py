@@ -398,6 +398,24 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
     return drafts
 
 
+def propose_with_blocks(runner, sampled_token_ids, propose_blocks) -> list[list[int]]:
+    """Graft-TAIL on DFlash: ``propose_blocks()`` runs vLLM's own DFlash proposal (its
+    input preparation, context K/V and one forward); the blocks become Graft-TAIL
+    chains (:meth:`GraftDFlashProposer.graft_blocks`)."""
+    runner._graft_step = None
+    stats: GraftStats = runner._graft_stats
+    start = device_clock(runner.device)
+    blocks = propose_blocks()
+    drafted = device_clock(runner.device)
+    drafts = runner.drafter.graft_blocks(runner, blocks, sampled_token_ids)
+    stats.add_seconds("draft_forward", drafted - start)
+    stats.add_seconds("bookkeeping", device_clock(runner.device) - drafted)
+    build = runner.drafter.last_build
+    if build is not None:
+        _count_build(stats, build, runner.drafter.settings.config.checkpoints)
+    return drafts
+
+
 def _observe_throughput(runner, scheduler_output, settled: list[SettledRows],
                         mode: StepMode) -> None:
     """Time this engine step (from the last step's drafting to this one's) and count its
