@@ -604,6 +604,10 @@ class GraftDFlashProposer(GraftTreeDrafting, DFlashProposer):
         req_ids = runner.input_batch.req_ids
         drafts: list[list[int]] = [[] for _ in req_ids]
         batch, length = blocks.shape
+        if length != self.settings.config.budget:  # vLLM asked for another block size
+            logger.warning("Graft: DFlash proposed blocks of %d tokens, not %d: decoding "
+                           "plainly this step", length, self.settings.config.budget)
+            return drafts
         sampled = sampled_token_ids[:batch].cpu()
         valid = (sampled >= 0).sum(1)
         rows = []
