@@ -90,6 +90,11 @@ def methods(budget: int, chain_tokens: int = 5) -> dict[str, Method]:
                             uses_retrieval=True,
                             note=f"Graft-TAIL sized per step ({chain_tokens} tokens as a "
                                  f"cap) with the throughput guard on"),
+        "graft_plain": Method("graft_plain", "graft",
+                              graft={"variant": "graft", "budget": "auto",
+                                     "guard_modes": ["plain"]},
+                              note="diagnostic: Graft's runner with every step decoded "
+                                   "plainly (its fixed cost against plain)"),
         "graft_chain": Method("graft_chain", "graft",
                               graft={"variant": "graft", "budget": "auto",
                                      "guard_modes": ["chain"]},

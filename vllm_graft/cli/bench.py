@@ -22,7 +22,8 @@ from vllm_graft.assets.pypi import default_cache_dir
 
 ALL_METHODS = ["plain", "eagle3", "ngram", "suffix", "dense_tree", "prune_only",
                "retrieval_only", "graft_no_context", "graft", "graft_chain", "graft_auto",
-               "tail", "tail_auto"]
+               "tail", "tail_auto", "graft_plain"]
+DIAGNOSTIC_METHODS = ["graft_plain"]  # run when named only
 ALL_DATASETS = ["humaneval", "mtbench", "gsm8k", "code-edit", "essays-4k", "code-4k", "code-8k",
                 "code-16k"]
 COMMITTED_HEADS = Path(__file__).resolve().parents[2] / "assets" / "heads"
@@ -43,7 +44,8 @@ def main(argv=None) -> int:
     p.add_argument("--draft-model", help="use this draft model instead of an EAGLE-3 head "
                    "(a prepared model name or a directory with the target's tokenizer)")
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--methods", nargs="+", choices=ALL_METHODS, default=ALL_METHODS)
+    p.add_argument("--methods", nargs="+", choices=ALL_METHODS,
+                   default=[m for m in ALL_METHODS if m not in DIAGNOSTIC_METHODS])
     p.add_argument("--datasets", nargs="+", default=ALL_DATASETS)
     p.add_argument("--prompts", type=int, default=10, help="prompts per dataset")
     p.add_argument("--max-tokens", type=int, default=128)
