@@ -42,9 +42,7 @@ def run_calibration(model: str, head: str, out: Path, *, warmup: str | None, rou
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
-    from vllm_graft.core.calibration import (CALIBRATION_FORMAT_VERSION, Calibration,
-                                             ModelIdentity, TreeRecord, fingerprint_model,
-                                             fit_thresholds)
+    from vllm_graft.core.calibration import TreeRecord, fit_thresholds
     from vllm_graft.core.config import GraftConfig
     from vllm_graft.vllm.rpc import start_tree_recording, take_tree_records
 
@@ -82,10 +80,22 @@ def run_calibration(model: str, head: str, out: Path, *, warmup: str | None, rou
 
     thresholds, fit = fit_thresholds(records, config.checkpoints, tuple(gains),
                                      config.max_depth, draft_cost=draft_cost)
+    return _save_calibration(
+        out, model, head, prompts, warmup, rounds, start, fit, kept_mean,
+        checkpoints=config.checkpoints, thresholds=thresholds, budget=config.budget,
+        draft_keep=config.draft_keep, template="best_first")
+
+
+def _save_calibration(out: Path, model: str, head: str, prompts, warmup: str | None,
+                      rounds: int, start: float, fit: dict, kept_mean: list[float],
+                      **layout) -> dict:
+    """Write the calibration file: ``layout`` (checkpoints, thresholds, budget, ...),
+    the models' identities, the corpus hash and how the fit went."""
+    from vllm_graft.core.calibration import (CALIBRATION_FORMAT_VERSION, Calibration,
+                                             ModelIdentity, fingerprint_model)
+
     calibration = Calibration(
-        format_version=CALIBRATION_FORMAT_VERSION, checkpoints=config.checkpoints,
-        thresholds=thresholds, budget=config.budget, draft_keep=config.draft_keep,
-        template="best_first",
+        format_version=CALIBRATION_FORMAT_VERSION, **layout,
         target=ModelIdentity(name=Path(model).name, fingerprint=fingerprint_model(model)),
         drafter=ModelIdentity(name=Path(head).name, fingerprint=fingerprint_model(head)),
         warmup_corpus_sha256=corpus_sha256(prompts),
@@ -104,9 +114,7 @@ def run_tail_calibration(model: str, head: str, out: Path, *, warmup: str | None
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
-    from vllm_graft.core.calibration import (CALIBRATION_FORMAT_VERSION, Calibration,
-                                             ChainRecord, ModelIdentity, fingerprint_model,
-                                             fit_chain_thresholds)
+    from vllm_graft.core.calibration import ChainRecord, fit_chain_thresholds
     from vllm_graft.core.config import GraftConfig
     from vllm_graft.vllm.rpc import start_tree_recording, take_tree_records
 
@@ -151,18 +159,10 @@ def run_tail_calibration(model: str, head: str, out: Path, *, warmup: str | None
 
     thresholds, fit = fit_chain_thresholds(records, checkpoints, tuple(gains), length,
                                            draft_cost=draft_cost)
-    calibration = Calibration(
-        format_version=CALIBRATION_FORMAT_VERSION, checkpoints=checkpoints,
-        thresholds=thresholds, budget=length, draft_keep=config.draft_keep,
-        template="top1_walk", shape="chain",
-        target=ModelIdentity(name=Path(model).name, fingerprint=fingerprint_model(model)),
-        drafter=ModelIdentity(name=Path(head).name, fingerprint=fingerprint_model(head)),
-        warmup_corpus_sha256=corpus_sha256(prompts),
-        fit={**fit, "kept_accepted_mean": [round(k, 3) for k in kept_mean],
-             "seconds": round(time.time() - start, 1), "rounds": rounds,
-             "warmup_file": warmup})
-    calibration.save(out)
-    return calibration.model_dump(mode="json")
+    return _save_calibration(
+        out, model, head, prompts, warmup, rounds, start, fit, kept_mean,
+        checkpoints=checkpoints, thresholds=thresholds, budget=length,
+        draft_keep=config.draft_keep, template="top1_walk", shape="chain")
 
 
 def main(argv=None) -> int:

@@ -172,7 +172,7 @@ def simulate(records: list[TreeRecord], thresholds: tuple[float, ...],
     ``thresholds``: a tree stops at the first checkpoint whose confidence is below its
     threshold, keeps ``kept_accepted`` and gains ``retrieval_gain`` from the freed
     slots; a step costs ``1 + draft_cost * draft_steps`` (verification = 1)."""
-    tokens = steps = cost = 0.0
+    outcomes = []
     for record in records:
         accepted, drafted = float(record.full_accepted), max_depth
         for i, (cp, tau) in enumerate(zip(checkpoints, thresholds)):
@@ -180,10 +180,19 @@ def simulate(records: list[TreeRecord], thresholds: tuple[float, ...],
             if c == c and c < tau:  # c == c: not NaN
                 accepted, drafted = record.kept_accepted[i] + retrieval_gain[i], cp + 1
                 break
-        tokens += 1 + accepted
-        steps += drafted
-        cost += 1 + draft_cost * drafted
-    n = max(len(records), 1)
+        outcomes.append((accepted, drafted))
+    return _per_step(outcomes, draft_cost)
+
+
+def _per_step(outcomes: list[tuple[float, int]], draft_cost: float
+              ) -> tuple[float, float, float]:
+    """(tokens per step, draft steps per step, tokens per unit cost) of simulated steps,
+    each ``(accepted drafts, draft steps)``; a step emits ``1 + accepted`` tokens and
+    costs ``1 + draft_cost * draft steps`` (verification = 1)."""
+    tokens = sum(1 + accepted for accepted, _ in outcomes)
+    steps = sum(drafted for _, drafted in outcomes)
+    cost = sum(1 + draft_cost * drafted for _, drafted in outcomes)
+    n = max(len(outcomes), 1)
     return tokens / n, steps / n, tokens / max(cost, 1e-9)
 
 
@@ -258,7 +267,7 @@ def simulate_chains(records: list[ChainRecord], thresholds: tuple[float, ...],
     from vllm_graft.core.tail import step_thresholds
 
     per_step = step_thresholds(checkpoints, thresholds, length)
-    tokens = steps = cost = 0.0
+    outcomes = []
     for record in records:
         accepted, drafted = float(record.accepted), length
         for step, tau in enumerate(per_step):
@@ -268,11 +277,8 @@ def simulate_chains(records: list[ChainRecord], thresholds: tuple[float, ...],
                 accepted = min(record.accepted, step) + retrieval_gain[stage]
                 drafted = step + 1
                 break
-        tokens += 1 + accepted
-        steps += drafted
-        cost += 1 + draft_cost * drafted
-    n = max(len(records), 1)
-    return tokens / n, steps / n, tokens / max(cost, 1e-9)
+        outcomes.append((accepted, drafted))
+    return _per_step(outcomes, draft_cost)
 
 
 def fit_chain_thresholds(records: list[ChainRecord], checkpoints: tuple[int, ...],
