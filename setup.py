@@ -25,8 +25,9 @@ from torch.utils.cpp_extension import (
 
 BUILD_CUDA_ENV = "VLLM_GRAFT_BUILD_CUDA"
 
-CPU_SOURCES = ["csrc/ops.cpp"]
-CUDA_SOURCES = ["csrc/ops_cuda.cpp", "csrc/kernels/successor_kernels.cu"]
+CPU_SOURCES = ["csrc/ops.cpp", "csrc/logits_topk.cpp"]
+CUDA_SOURCES = ["csrc/ops_cuda.cpp", "csrc/kernels/successor_kernels.cu",
+                "csrc/kernels/topk_kernels.cu"]
 
 # The C++ standard of torch-including sources is left to torch, which passes
 # the one its headers require. The CUDA kernels are torch-free C++17.

@@ -31,6 +31,9 @@ namespace {
 
 constexpr const char* kGather = "successor_gather";
 constexpr const char* kUpdate = "successor_update_";
+constexpr const char* kTopk = "logits_topk";
+// successor_k's upper bound in graft.json; the CUDA kernel keeps k entries per thread
+constexpr int64_t kMaxTopk = 64;
 constexpr int64_t kGrainSize = 2048;
 
 bool is_index_dtype(at::ScalarType dtype) {
@@ -69,11 +72,12 @@ void check_index_tensor(const char* op, const char* name,
               expected_dim, "-D, got shape ", ids.sizes());
 }
 
-void check_same_device(const char* op, const at::Tensor& successors,
-                       const char* name, const at::Tensor& other) {
-  TORCH_CHECK(other.device() == successors.device(), op, ": ", name,
-              " is on ", other.device(), " but successors is on ",
-              successors.device());
+void check_same_device(const char* op, const at::Tensor& reference,
+                       const char* name, const at::Tensor& other,
+                       const char* reference_name = "successors") {
+  TORCH_CHECK(other.device() == reference.device(), op, ": ", name,
+              " is on ", other.device(), " but ", reference_name, " is on ",
+              reference.device());
 }
 
 std::string element_position(const at::Tensor& ids, int64_t flat_index) {
@@ -96,6 +100,26 @@ void check_ids_in_range(const char* op, const char* name,
     TORCH_CHECK_VALUE(id >= low && id < high, op, ": ", name,
                       element_position(contiguous_ids, flat), " = ", id,
                       " is out of range [", low, ", ", high, ")");
+  }
+}
+
+// Raises ValueError naming the first next-token id outside [0, vocab_size) in
+// the row of a written node; rows of skipped nodes (token -1) are never read.
+template <typename TokenT, typename NextTokenT>
+void check_next_tokens_in_range(const at::Tensor& contiguous_tokens,
+                                const at::Tensor& contiguous_next_tokens,
+                                int64_t vocab_size) {
+  const TokenT* tokens = contiguous_tokens.const_data_ptr<TokenT>();
+  const NextTokenT* next = contiguous_next_tokens.const_data_ptr<NextTokenT>();
+  const int64_t k = contiguous_next_tokens.size(1);
+  for (int64_t node = 0; node < contiguous_tokens.numel(); ++node) {
+    if (static_cast<int64_t>(tokens[node]) < 0) continue;
+    for (int64_t column = 0; column < k; ++column) {
+      const int64_t id = static_cast<int64_t>(next[node * k + column]);
+      TORCH_CHECK_VALUE(id >= 0 && id < vocab_size, kUpdate, ": next_tokens[", node,
+                        ", ", column, "] = ", id, " is out of range [0, ",
+                        vocab_size, ")");
+    }
   }
 }
 
@@ -151,6 +175,26 @@ void check_update_inputs(const at::Tensor& successors,
   check_same_device(kUpdate, successors, "next_tokens", next_tokens);
 }
 
+void check_topk_inputs(const at::Tensor& logits, const at::Tensor& rows,
+                       int64_t k) {
+  const at::ScalarType dtype = logits.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 ||
+                  dtype == at::kDouble,
+              kTopk, ": logits must be float32, float16, bfloat16 or float64, got ",
+              dtype);
+  TORCH_CHECK(logits.dim() == 2, kTopk, ": logits must be 2-D [rows, vocab], got shape ",
+              logits.sizes());
+  TORCH_CHECK(logits.size(1) == 0 || logits.stride(1) == 1, kTopk,
+              ": logits rows must be contiguous (stride 1 along the vocabulary), got "
+              "strides ", logits.strides());
+  check_index_tensor(kTopk, "rows", rows, 1);
+  check_same_device(kTopk, logits, "rows", rows, "logits");
+  TORCH_CHECK(k >= 1 && k <= kMaxTopk, kTopk, ": k must be in [1, ", kMaxTopk,
+              "], got ", k);
+  TORCH_CHECK(k <= logits.size(1), kTopk, ": k = ", k, " exceeds the vocabulary (",
+              logits.size(1), " columns)");
+}
+
 namespace {
 
 at::Tensor successor_gather_cpu(const at::Tensor& successors,
@@ -200,8 +244,8 @@ void successor_update_cpu(at::Tensor& successors, const at::Tensor& tokens,
       // the matrix untouched.
       check_ids_in_range<TokenT>(kUpdate, "tokens", node_tokens, -1,
                                  vocab_size);
-      check_ids_in_range<NextTokenT>(kUpdate, "next_tokens", node_next_tokens,
-                                     0, vocab_size);
+      check_next_tokens_in_range<TokenT, NextTokenT>(node_tokens, node_next_tokens,
+                                                     vocab_size);
       const TokenT* token_ids = node_tokens.const_data_ptr<TokenT>();
       const NextTokenT* next_ids = node_next_tokens.const_data_ptr<NextTokenT>();
       int32_t* matrix = successors.mutable_data_ptr<int32_t>();
@@ -237,12 +281,20 @@ TORCH_LIBRARY(vllm_graft, m) {
       "Tensor ranks) -> Tensor");
   // successors[tokens[i], :] = next_tokens[i, :] for every i with
   // tokens[i] != -1. tokens: [N] int32/int64 in [-1, V); next_tokens: [N, k]
-  // int32/int64 in [0, V). When several nodes carry the same token the node
-  // with the HIGHEST index wins (as if written sequentially in index order),
-  // identically and deterministically on every device.
+  // int32/int64 in [0, V) (rows of skipped nodes are not read). When several
+  // nodes carry the same token the node with the HIGHEST index wins (as if
+  // written sequentially in index order), identically and deterministically on
+  // every device.
   m.def(
       "successor_update_(Tensor(a!) successors, Tensor tokens, "
       "Tensor next_tokens) -> ()");
+  // out[i] = the indices of the k largest entries of logits[rows[i]], best
+  // first: larger value first, equal values by lower index, NaN above every
+  // number; column 0 is torch.argmax of the row. rows[i] == -1 gives a row of
+  // -1. logits: [R, V] float32/float16/bfloat16/float64, contiguous rows; rows:
+  // [N] int32/int64 in [-1, R); 1 <= k <= min(64, V). Returns [N, k] int64.
+  // One pass over each selected row with a k-entry buffer.
+  m.def("logits_topk(Tensor logits, Tensor rows, int k) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_graft, CPU, m) {

@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/successor_kernels.cuh"
+#include "kernels/topk_kernels.cuh"
 
 namespace vllm_graft {
 
@@ -22,6 +23,8 @@ void check_gather_inputs(const at::Tensor& successors,
 void check_update_inputs(const at::Tensor& successors,
                          const at::Tensor& tokens,
                          const at::Tensor& next_tokens);
+void check_topk_inputs(const at::Tensor& logits, const at::Tensor& rows,
+                       int64_t k);
 
 namespace {
 
@@ -99,10 +102,51 @@ void successor_update_cuda(at::Tensor& successors, const at::Tensor& tokens,
   check_launch("successor_update_", status);
 }
 
+template <typename ScalarT, typename RowT>
+cudaError_t launch_topk_for(const at::Tensor& logits, const at::Tensor& rows,
+                            int64_t k, at::Tensor& out, cudaStream_t stream) {
+  // at::Half / at::BFloat16 share the bit layout of __half / __nv_bfloat16
+  return launch_logits_topk<ScalarT, RowT>(
+      reinterpret_cast<const ScalarT*>(logits.const_data_ptr()), logits.size(0),
+      logits.size(1), logits.stride(0), rows.const_data_ptr<RowT>(), rows.size(0), k,
+      out.mutable_data_ptr<int64_t>(), stream);
+}
+
+template <typename RowT>
+cudaError_t launch_topk_rows(const at::Tensor& logits, const at::Tensor& rows,
+                             int64_t k, at::Tensor& out, cudaStream_t stream) {
+  switch (logits.scalar_type()) {  // the dtypes check_topk_inputs admits
+    case at::kHalf:
+      return launch_topk_for<__half, RowT>(logits, rows, k, out, stream);
+    case at::kBFloat16:
+      return launch_topk_for<__nv_bfloat16, RowT>(logits, rows, k, out, stream);
+    case at::kDouble:
+      return launch_topk_for<double, RowT>(logits, rows, k, out, stream);
+    default:
+      return launch_topk_for<float, RowT>(logits, rows, k, out, stream);
+  }
+}
+
+at::Tensor logits_topk_cuda(const at::Tensor& logits, const at::Tensor& rows,
+                            int64_t k) {
+  check_topk_inputs(logits, rows, k);
+  const c10::cuda::CUDAGuard device_guard(logits.device());
+  const at::Tensor row_ids = rows.contiguous();
+  at::Tensor out = at::empty({row_ids.size(0), k}, logits.options().dtype(at::kLong));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaError_t status =
+      row_ids.scalar_type() == at::kInt
+          ? launch_topk_rows<int32_t>(logits, row_ids, k, out, stream)
+          : launch_topk_rows<int64_t>(logits, row_ids, k, out, stream);
+  check_launch("logits_topk", status);
+  return out;
+}
+
 }  // namespace
 }  // namespace vllm_graft
 
 TORCH_LIBRARY_IMPL(vllm_graft, CUDA, m) {
   m.impl("successor_gather", &vllm_graft::successor_gather_cuda);
   m.impl("successor_update_", &vllm_graft::successor_update_cuda);
+  m.impl("logits_topk", &vllm_graft::logits_topk_cuda);
 }

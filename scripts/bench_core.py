@@ -1,17 +1,27 @@
-"""Cost of one Graft step's bookkeeping, without the models.
+"""Cost of one Graft step's bookkeeping, without the models, and its share of a step.
 
 Times, per decoding step and batch size, everything Graft adds around the two model
 passes: the draft tree build (with a drafter whose answers are precomputed, so only the
-tree bookkeeping is timed), retrieval from the successor matrix, the trie merge and
-flattening, acceptance (greedy and sampled), and the matrix update from the target
-logits of every verified row (``update_ms``: the top-k over the vocabulary included;
-``update_op_ms``: the scatter op alone). Compiled ops and the pure-torch reference are
-timed in the same run. ``step_greedy_ms`` = build + greedy acceptance + update.
+tree bookkeeping is timed; retrieval, trie merge and flattening included) and the
+verification bookkeeping: one top-k pass over the target logits of every verified row
+(``topk_ms``, the compiled ``logits_topk``; ``torch_topk_ms`` is ``torch.topk`` over
+every row, the update's former pass), greedy acceptance from its first column and
+the matrix update from the whole of it (``verify_greedy_ms``), or the sampled walk plus
+the same update (``verify_sampled_ms``). ``update_op_ms`` is the scatter op alone.
+Compiled ops and the pure-torch reference are timed in the same run.
+
+The share of a step is the bookkeeping over (bookkeeping + the target's verification
+forward for the same query tokens). The forward is that of a Qwen2.5-0.5B-shaped model
+(the smallest model with the 151,936-token Qwen vocabulary; random weights cost what
+trained ones do) through transformers, over the trees' rows with no KV context, so it
+is a lower bound on a real step and the share an upper bound; ``--forward-profile``
+reads the forward time from a measured cost curve instead (the GPU check's
+``verification_cost`` rows), ``--forward none`` skips it.
 
     .venv/bin/python scripts/bench_core.py                 # batch 1 / 8 / 32, Qwen vocab
     .venv/bin/python scripts/bench_core.py --batch 1 8 --json out.json
-    python scripts/bench_core.py --device cuda      # on a GPU (the device is synchronised
-                                                    # around every timed call)
+    python scripts/bench_core.py --device cuda --forward-profile \
+        bench/results/gpu/2026-11-30-h200/verification_cost_cuda_graphs.json
 """
 
 from __future__ import annotations
@@ -102,24 +112,88 @@ def bench(batch: int, vocab: int, backend: str, repeats: int, cfg: GraftConfig,
     tree, stats = builder.build(roots, drafter)
     logits = steer_logits(tree, vocab, batch, seed=batch)
     greedy = SamplingBatch.greedy(batch, device=device)
-    tokens = torch.where(tree.valid, tree.tokens, -1).reshape(-1)
-    next_tokens = logits.reshape(tokens.numel(), -1).topk(cfg.successor_k, dim=-1).indices
     sampled = SamplingBatch(temperature=torch.ones(batch, device=device),
                             top_p=torch.full((batch,), 0.9, device=device))
+    row_topk = builder.target_topk(tree, logits)
+    tokens = torch.where(tree.valid, tree.tokens, -1).reshape(-1)
+
+    def verify_greedy():
+        top = builder.target_topk(tree, logits)
+        result = accept_tree(tree, logits, greedy, row_tokens=top[..., 0])
+        builder.observe(tree, logits, row_topk=top)
+        return result
+
+    def verify_sampled():
+        top = builder.target_topk(tree, logits)
+        result = accept_tree(tree, logits, sampled)
+        builder.observe(tree, logits, row_topk=top)
+        return result
 
     row = {
         "batch": batch, "backend": backend, "device": device.type,
+        "tree_rows": int(tree.valid.sum()),
         "build_ms": time_it(lambda: builder.build(roots, drafter), repeats, device),
-        "accept_greedy_ms": time_it(lambda: accept_tree(tree, logits, greedy), repeats, device),
-        "accept_sampled_ms": time_it(lambda: accept_tree(tree, logits, sampled), repeats,
-                                     device),
-        "update_ms": time_it(lambda: builder.observe(tree, logits), repeats, device),
-        "update_op_ms": time_it(lambda: matrix.update_(tokens, next_tokens), repeats, device),
-        "mean_accepted": float(accept_tree(tree, logits, greedy).num_accepted.float().mean()),
+        "topk_ms": time_it(lambda: builder.target_topk(tree, logits), repeats, device),
+        # what the update used before logits_topk: torch.topk over every row
+        "torch_topk_ms": time_it(lambda: logits.reshape(-1, vocab).topk(cfg.successor_k, dim=-1),
+                                 repeats, device),
+        "verify_greedy_ms": time_it(verify_greedy, repeats, device),
+        "verify_sampled_ms": time_it(verify_sampled, repeats, device),
+        "update_op_ms": time_it(lambda: matrix.update_(tokens, row_topk.reshape(tokens.numel(), -1)),
+                                repeats, device),
+        "mean_accepted": float(verify_greedy().num_accepted.float().mean()),
         "pruned_share": float((stats.stage < builder.full_stage).float().mean()),
     }
-    row["step_greedy_ms"] = row["build_ms"] + row["accept_greedy_ms"] + row["update_ms"]
+    row["step_greedy_ms"] = row["build_ms"] + row["verify_greedy_ms"]
+    row["step_sampled_ms"] = row["build_ms"] + row["verify_sampled_ms"]
     return row
+
+
+def qwen_05b_shaped_model(vocab: int):
+    """A Qwen2.5-0.5B-shaped causal LM (random weights, fp32), the smallest real model
+    with the Qwen vocabulary: the cheapest verification forward a Qwen-vocab step has."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=vocab, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         max_position_embeddings=4096, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def measured_forward_ms(model, batch: int, query_tokens: int, device: torch.device) -> float:
+    """One verification forward of ``batch`` requests with ``query_tokens`` rows each
+    (logits at every row), no KV context; the median of two after a warm-up."""
+    ids = torch.randint(0, model.config.vocab_size, (batch, query_tokens), device=device)
+    with torch.inference_mode():
+        return time_it(lambda: model(input_ids=ids), 2, device)
+
+
+def curve_forward_ms(curve: list[dict], batch: int, total_tokens: int,
+                     context: int | None = None) -> float:
+    """Forward time at ``total_tokens`` query tokens from a measured cost curve (rows of
+    ``batch``, ``total_tokens``, ``forward_ms``, optionally ``context``: the GPU check's
+    ``verification_cost``), linear between points, at the curve's batch nearest
+    ``batch`` and its smallest context unless one is given."""
+    contexts = sorted({r.get("context", 0) for r in curve})
+    context = contexts[0] if context is None else context
+    rows = [r for r in curve if r.get("context", 0) == context]
+    nearest = min({r["batch"] for r in rows}, key=lambda b: abs(b - batch))
+    points = sorted((r["total_tokens"], r["forward_ms"]) for r in rows if r["batch"] == nearest)
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    if total_tokens <= xs[0]:
+        return ys[0]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if total_tokens <= x1:
+            return y0 + (total_tokens - x0) * (y1 - y0) / (x1 - x0)
+    return ys[-1] + (total_tokens - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+
+
+def add_shares(row: dict, forward_ms: float) -> None:
+    row["forward_ms"] = forward_ms
+    for kind in ("greedy", "sampled"):
+        spent = row[f"step_{kind}_ms"]
+        row[f"share_{kind}"] = spent / (spent + forward_ms)
 
 
 def main() -> None:
@@ -130,27 +204,63 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--forward", choices=["qwen2.5-0.5b", "none"], default="qwen2.5-0.5b",
+                        help="the verification forward the share is taken of (measured here)")
+    parser.add_argument("--forward-profile",
+                        help="JSON cost curve (a list of rows, or a GPU-check report with "
+                             "verification_cost rows) to read the forward time from instead")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
     cfg = GraftConfig(budget=args.budget)
-    rows = [bench(b, args.vocab, backend, args.repeats, cfg, args.device)
+    rows = [bench(b, args.vocab, backend, args.repeats, cfg, device)
             for b in args.batch for backend in ("compiled", "reference")]
+
+    forward_source = None
+    if args.forward_profile:
+        with open(args.forward_profile) as f:
+            curve = json.load(f)
+        if isinstance(curve, dict):  # a GPU-check report
+            curve = curve.get("sections", curve).get("verification_cost", curve)["rows"]
+        forward_source = f"cost curve {args.forward_profile}"
+        for row in rows:
+            add_shares(row, curve_forward_ms(curve, row["batch"], row["tree_rows"]))
+    elif args.forward != "none":
+        model = qwen_05b_shaped_model(args.vocab).to(device)
+        forward_source = "Qwen2.5-0.5B-shaped model, fp32, transformers, no KV context"
+        measured = {}
+        for row in rows:
+            per_request = -(-row["tree_rows"] // row["batch"])
+            key = (row["batch"], per_request)
+            if key not in measured:
+                measured[key] = measured_forward_ms(model, row["batch"], per_request, device)
+            add_shares(row, measured[key])
 
     print(f"Graft step bookkeeping, budget {args.budget}, vocab {args.vocab:,}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{platform.processor() or platform.machine()}; median of {args.repeats} (ms)\n")
-    cols = ["batch", "backend", "build_ms", "accept_greedy_ms", "accept_sampled_ms",
-            "update_ms", "update_op_ms", "step_greedy_ms", "mean_accepted", "pruned_share"]
+          f"{platform.processor() or platform.machine()}; median of {args.repeats} (ms)")
+    if forward_source:
+        print(f"share = bookkeeping / (bookkeeping + verification forward of the same rows: "
+              f"{forward_source})")
+    print()
+    cols = ["batch", "backend", "tree_rows", "build_ms", "topk_ms", "torch_topk_ms",
+            "verify_greedy_ms",
+            "verify_sampled_ms", "update_op_ms", "step_greedy_ms", "step_sampled_ms"]
+    if forward_source:
+        cols += ["forward_ms", "share_greedy", "share_sampled"]
+    cols += ["mean_accepted", "pruned_share"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
-        print("| " + " | ".join(f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c])
-                                for c in cols) + " |")
+        print("| " + " | ".join(
+            (f"{100 * r[c]:.1f} %" if c.startswith("share") else f"{r[c]:.2f}")
+            if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+            json.dump({"args": vars(args), "forward": forward_source, "torch": torch.__version__,
+                       "threads": torch.get_num_threads(), "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,12 @@ on hot paths, under CUDA graph capture or inside ``torch.compile``: the CUDA
 kernels then trust the ids (they never touch memory outside the matrix, but
 the result for a bad id is unspecified). The CPU kernels always check ranges.
 
-Both ops are registered with fake (meta) implementations so ``torch.compile``
-can trace them.
+:func:`logits_topk` reads the target's logits once per verified row and returns the
+row's top-k token ids in a fixed order (column 0 is exactly ``torch.argmax``), so the
+matrix update and greedy acceptance share one pass over the vocabulary.
+
+Every op is registered with a fake (meta) implementation so ``torch.compile`` can
+trace it.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ except ImportError as error:
         "and the ops must be rebuilt whenever torch changes)."
     ) from error
 
-__all__ = ["cuda_ops_available", "successor_gather", "successor_update_"]
+__all__ = ["cuda_ops_available", "logits_topk", "successor_gather", "successor_update_"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -104,7 +108,9 @@ def successor_update_(
             in ``[-1, V)``; ``-1`` skips the node (padding).
         next_tokens: ``[N, k]`` int32 or int64 (independent of ``tokens``):
             row ``i`` holds the target's top-k next-token ids at node ``i``,
-            most likely first, each in ``[0, V)``.
+            most likely first, each in ``[0, V)``; rows of skipped nodes
+            (``tokens[i] == -1``) are never read, so they may hold anything
+            (``logits_topk`` leaves -1 there).
         check: validate the id ranges first (raises ``ValueError``; costs a
             device sync on GPU). ``False`` skips it for hot paths.
 
@@ -128,6 +134,60 @@ def successor_update_(
     if check:
         _check_update_ids(successors, tokens, next_tokens)
     torch.ops.vllm_graft.successor_update_.default(successors, tokens, next_tokens)
+
+
+def logits_topk(
+    logits: torch.Tensor,
+    k: int,
+    rows: torch.Tensor | None = None,
+    *,
+    check: bool = True,
+) -> torch.Tensor:
+    """The ``k`` most likely token ids of selected logits rows, best first.
+
+    Order: larger logit first, equal logits by lower token id, NaN above every number;
+    so column 0 is ``logits[row].argmax()`` exactly (and vLLM's greedy choice), while
+    ``torch.topk`` leaves the order of ties unspecified. One pass over each row with a
+    ``k``-entry buffer, on CPU and CUDA; rows are read where they lie (no gather copy).
+
+    Args:
+        logits: ``[R, V]`` float32, float16, bfloat16 or float64, unit stride along
+            ``V``.
+        k: ``1 <= k <= min(64, V)``.
+        rows: ``[N]`` int32 or int64 rows of ``logits`` to read, in ``[-1, R)``;
+            ``-1`` skips the row (its output row is ``-1``). Default: every row.
+        check: on a GPU, validate ``rows`` first (one device sync); the CPU kernel
+            always validates. With ``check=False`` a bad row on a GPU yields ``-1``.
+
+    Returns:
+        ``[N, k]`` int64 token ids.
+
+    Raises:
+        RuntimeError: wrong dtype, dimension, layout, ``k`` or device.
+        ValueError: a row id out of range.
+
+    Example:
+        >>> import torch
+        >>> from vllm_graft.ops import logits_topk
+        >>> logits = torch.tensor([[0.5, 2.0, 2.0, -1.0], [3.0, 1.0, 0.0, 2.0]])
+        >>> logits_topk(logits, 2)  # the tie at 2.0 goes to the lower id
+        tensor([[1, 2],
+                [0, 3]])
+        >>> logits_topk(logits, 1, torch.tensor([1, -1]))
+        tensor([[ 0],
+                [-1]])
+    """
+    if rows is None:
+        rows = torch.arange(logits.shape[0] if logits.dim() else 0, device=logits.device)
+    elif check and not rows.is_cpu and rows.dtype in _INDEX_DTYPES and rows.dim() == 1 \
+            and logits.dim() == 2:
+        _check_ids_in_range("logits_topk", "rows", rows, 1, -1, logits.shape[0])
+    return torch.ops.vllm_graft.logits_topk.default(logits, rows, k)
+
+
+@torch.library.register_fake("vllm_graft::logits_topk")
+def _logits_topk_fake(logits: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
+    return logits.new_empty((rows.shape[0], k), dtype=torch.int64)
 
 
 @torch.library.register_fake("vllm_graft::successor_gather")
@@ -165,6 +225,9 @@ def _check_update_ids(
         return
     vocab_size = successors.shape[0]
     _check_ids_in_range("successor_update_", "tokens", tokens, 1, -1, vocab_size)
+    if tokens.dim() == 1 and next_tokens.dim() == 2 and next_tokens.shape[0] == tokens.shape[0]:
+        # rows of skipped nodes are never read: checked as if they held 0
+        next_tokens = next_tokens.masked_fill((tokens < 0).unsqueeze(1), 0)
     _check_ids_in_range("successor_update_", "next_tokens", next_tokens, 2, 0, vocab_size)
 
 

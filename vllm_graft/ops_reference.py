@@ -49,3 +49,31 @@ def reference_successor_update_(
     wins = valid & (last_writer[rows] == node_index)
     # Winning rows are distinct, so this indexed write has no ordering ambiguity.
     successors[rows[wins]] = next_tokens[wins].to(torch.int32)
+
+
+def reference_logits_topk(logits: torch.Tensor, k: int,
+                          rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``k`` best token ids of ``logits[rows]`` in :func:`vllm_graft.ops.logits_topk`'s
+    order (larger first, equal logits by lower id, NaN above every number); ``rows[i] ==
+    -1`` gives a row of -1. Returns [N, k] int64.
+
+    ``torch.topk`` finds the right set unless the k-th value is tied outside it (then
+    it may keep a higher id) and leaves ties unordered: its k winners are re-ordered by
+    (value, id), and rows with a tie across the boundary or a NaN are sorted whole with
+    a stable sort, which keeps equal values in id order and puts NaN first."""
+    if rows is None:
+        rows = torch.arange(logits.shape[0], device=logits.device)
+    picked = logits[rows.clamp(min=0).long()]
+    picked = picked.double() if picked.dtype == torch.float64 else picked.float()
+    values, order = picked.topk(k, dim=-1)
+    by_id = order.sort(dim=-1).indices  # ids ascending, then a stable sort by value
+    order = order.gather(1, by_id)
+    order = order.gather(1, picked.gather(1, order).sort(dim=-1, descending=True,
+                                                         stable=True).indices)
+    kth = values[:, -1:]
+    boundary_tie = (picked == kth).sum(1) > (values == kth).sum(1)
+    slow = boundary_tie | picked.isnan().any(1)
+    if bool(slow.any()):
+        whole = picked[slow].sort(dim=-1, descending=True, stable=True).indices[:, :k]
+        order[slow] = whole
+    return torch.where((rows >= 0).unsqueeze(1), order, EMPTY)

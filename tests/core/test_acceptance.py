@@ -172,6 +172,50 @@ def test_greedy_equals_the_argmax_walk(seed):
     assert max(lengths) >= 2  # the test exercised multi-token acceptance
 
 
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("backend", ["compiled", "reference"])
+def test_one_pass_greedy_walk_equals_the_level_by_level_walk(seed, backend):
+    """The batched greedy walk over one top-k pass (what verification runs) emits what
+    the level-by-level walk with an argmax at every level emits, ties included: the
+    logits take few distinct values, so most argmaxes are decided by the lower id."""
+    from tests.core.helpers import TableDrafter
+    from vllm_graft.core.config import GraftConfig
+    from vllm_graft.core.graft import GraftTreeBuilder
+    from vllm_graft.core.successor import SuccessorMatrix
+
+    vocab, batch = 12, 16
+    torch.manual_seed(100 + seed)
+    m = SuccessorMatrix.empty(vocab, 4, backend=backend)
+    m.update_(torch.arange(vocab), torch.stack([torch.randperm(vocab)[:4] for _ in range(vocab)]))
+    builder = GraftTreeBuilder(GraftConfig(budget=24, top_k=4, max_depth=5, checkpoints=(0, 1),
+                                           draft_keep=(3, 8), retrieval_width=4), m)
+    tree, _ = builder.build(torch.randint(0, vocab, (batch,)), TableDrafter(vocab, 4, seed=seed))
+    # logits in {0, 1}; at most rows one child's token is lifted to 2, and often a
+    # second random token too, so the argmax there is a tie the lower id decides
+    logits = torch.randint(0, 2, (batch, tree.tokens.shape[1], vocab)).float()
+    for b in range(batch):
+        for r in range(tree.tokens.shape[1]):
+            kids = [int(tree.tokens[b, i]) for i in range(tree.tokens.shape[1])
+                    if tree.valid[b, i] and int(tree.parents[b, i]) == r]
+            if kids and torch.rand(()) < 0.8:
+                logits[b, r, kids[torch.randint(len(kids), ())]] = 2.0
+                if torch.rand(()) < 0.5:
+                    logits[b, r, torch.randint(vocab, ())] = 2.0
+    level_by_level = accept_tree(tree, logits, SamplingBatch.greedy(batch),
+                                 argmax_fn=lambda rows: rows.argmax(dim=1))
+    row_topk = builder.target_topk(tree, logits)
+    one_pass = accept_tree(tree, logits, SamplingBatch.greedy(batch),
+                           row_tokens=row_topk[..., 0])
+    for field in ("accepted_rows", "output_tokens", "num_accepted"):
+        assert torch.equal(getattr(one_pass, field), getattr(level_by_level, field)), field
+    assert int(one_pass.num_accepted.max()) >= 2
+    # the same pass teaches the matrix exactly what a separate top-k would
+    separate = SuccessorMatrix(m.table.clone(), backend=backend)
+    builder.observe(tree, logits, row_topk=row_topk)
+    GraftTreeBuilder(builder.config, separate).observe(tree, logits)
+    assert torch.equal(m.table, separate.table)
+
+
 def test_mixed_greedy_and_sampled_batch_and_seeded_generators():
     tree = _fixed_tree(4)
     logits = _row_logits(tree.tokens.shape[1]).unsqueeze(0).expand(4, -1, -1)

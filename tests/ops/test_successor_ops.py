@@ -168,6 +168,18 @@ def test_update_highest_index_wins(device: str, token_dtype: torch.dtype):
     assert torch.equal(successors.cpu(), expected)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("check", [True, False], ids=["check", "nocheck"])
+def test_update_ignores_next_tokens_of_skipped_nodes(device: str, check: bool):
+    # logits_topk leaves -1 in the rows it skipped; the update never reads them
+    args = _valid_update(device)
+    args["next_tokens"][2] = -1  # tokens[2] == -1
+    expected = args["successors"].clone()
+    reference_successor_update_(expected, args["tokens"], args["next_tokens"])
+    ops.successor_update_(**args, check=check)
+    assert torch.equal(args["successors"], expected)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_update_cpu_and_cuda_bit_identical():
     sample = Sample(QWEN_VOCAB, 8, 4096, torch.int64, seed=7)
@@ -254,8 +266,8 @@ BAD_UPDATE = [
      ValueError, r"tokens\[0\] = -5 is out of range"),
     ("next-token-equals-vocab", "next_tokens", lambda a: _set(a["next_tokens"], (1, 3), V),
      ValueError, r"next_tokens\[1, 3\] = 111 is out of range \[0, 111\)"),
-    ("next-token-negative", "next_tokens", lambda a: _set(a["next_tokens"], (2, 0), -1),
-     ValueError, r"next_tokens\[2, 0\] = -1 is out of range \[0, 111\)"),
+    ("next-token-negative", "next_tokens", lambda a: _set(a["next_tokens"], (3, 0), -1),
+     ValueError, r"next_tokens\[3, 0\] = -1 is out of range \[0, 111\)"),
 ]
 
 

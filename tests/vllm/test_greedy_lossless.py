@@ -85,6 +85,8 @@ def test_greedy_output_is_identical(tiny_models, plain_outputs, variant, budget,
 
     # trees were verified, every step within budget, and some tokens came from them
     assert metrics["graft_verified_trees"] > 0
+    # an all-greedy batch is accepted from one top-k pass, with no per-level sampling
+    assert metrics["graft_one_pass_verifications"] > 0
     assert metrics["spec_decode_num_draft_tokens"] <= budget * metrics["spec_decode_num_drafts"]
     if variant == "retrieval_only" or (variant in ("graft", "tail")
                                        and thresholds != NEVER_PRUNE):
@@ -102,6 +104,37 @@ def test_greedy_output_is_identical(tiny_models, plain_outputs, variant, budget,
         assert metrics.get("graft_tree_attention_us", 0) == 0
         if thresholds == NEVER_PRUNE:
             assert metrics["graft_draft_forwards"] > 0 and metrics["graft_retrieved_nodes"] == 0
+
+
+def test_greedy_options_that_move_the_argmax_keep_the_level_by_level_walk(tiny_models):
+    """A greedy batch is accepted from the raw logits' argmax only while nothing edits
+    them: a strong logit bias (every plain token becomes the biased one), min_tokens
+    and logprobs requests in an all-greedy batch take vLLM's sampler at every level and
+    still match plain decoding exactly."""
+    from vllm import SamplingParams
+
+    greedy = dict(temperature=0.0, max_tokens=20, ignore_eos=True)
+    params = [SamplingParams(**greedy), SamplingParams(**greedy, logit_bias={7: 100.0}),
+              SamplingParams(**greedy, logprobs=2), SamplingParams(temperature=0.0,
+                                                                   max_tokens=20, min_tokens=8)]
+    prompts = PROMPTS[:4]
+    with running_llm(tiny_models.target) as llm:
+        plain = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params,
+                                                                     use_tqdm=False)]
+    assert plain[1] == [7] * 20  # the bias decides every token
+    spec = graft_spec(tiny_models.head, budget=16)
+    with running_llm(tiny_models.target, spec) as llm:
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params,
+                                                                   use_tqdm=False)]
+        before = spec_metrics(llm)
+        biased = llm.generate(prompts[:1], params[1:2], use_tqdm=False)[0].outputs[0]
+        after = spec_metrics(llm)
+    assert got == plain
+    assert list(biased.token_ids) == [7] * 20
+    assert after["graft_verified_trees"] > before["graft_verified_trees"]
+    # while the bias is held no step may skip the sampler
+    assert after.get("graft_one_pass_verifications", 0) \
+        == before.get("graft_one_pass_verifications", 0)
 
 
 def test_chain_trees_verify_with_the_backends_own_attention(tiny_models, plain_outputs):

@@ -22,6 +22,12 @@ from ``r`` at the current node, accept the child that carries the sample. The vL
 adapter does that, so every sampling feature and the seeded random streams behave
 exactly as in plain decoding.
 
+Greedy requests need only the target's argmax at every tree row: :func:`greedy_walk`
+walks the whole batch from those tokens with a fixed number of tensor operations per
+level (no host reads), and the argmax comes from the same one-pass top-k that teaches
+the successor matrix (:func:`vllm_graft.ops.logits_topk`, whose column 0 is exactly
+``argmax``), so a greedy verification reads the vocabulary once per row.
+
 Random numbers come from per-request generators when a request has one (seeded
 requests), otherwise from the default generator; a fixed count is drawn per level so
 a seeded request's stream does not depend on the other requests in the batch.
@@ -152,19 +158,60 @@ def walk_tree(tree: HybridTree, sample_level: LevelSampler) -> AcceptanceResult:
     return AcceptanceResult(accepted_rows[:, :max_steps - 1].contiguous(), output, num_accepted)
 
 
+def greedy_walk(tree: HybridTree, row_tokens: torch.Tensor) -> AcceptanceResult:
+    """:func:`walk_tree` for a batch of greedy requests, given the target's choice at
+    every row: ``row_tokens`` [B, N+1] (the argmax at each row; anything at rows the
+    walk cannot reach). Every level is the same few batched operations whatever the
+    batch, with no host read on a GPU (the CPU stops once every request has stopped)."""
+    batch, rows = tree.tokens.shape
+    if row_tokens.shape != (batch, rows):
+        raise ValueError(f"row_tokens has shape {tuple(row_tokens.shape)}, tree "
+                         f"{tuple(tree.tokens.shape)}")
+    device = tree.tokens.device
+    max_steps = tree.max_depth + 1
+    row_tokens = row_tokens.to(device).long()
+    accepted_rows = torch.full((batch, max_steps), -1, dtype=torch.long, device=device)
+    output = torch.full((batch, max_steps), -1, dtype=torch.long, device=device)
+    current = torch.zeros(batch, dtype=torch.long, device=device)
+    live = torch.ones(batch, dtype=torch.bool, device=device)
+    candidates = tree.valid & (tree.parents >= 0)
+    for step in range(max_steps):
+        emitted = row_tokens.gather(1, current.unsqueeze(1)).squeeze(1)
+        match = candidates & (tree.parents == current.unsqueeze(1)) \
+            & (tree.tokens == emitted.unsqueeze(1))
+        hit = match.any(1) & live
+        chosen = match.to(torch.uint8).argmax(1)
+        output[:, step] = torch.where(live, emitted, -1)
+        accepted_rows[:, step] = torch.where(hit, chosen, -1)
+        current = torch.where(hit, chosen, current)
+        live = hit
+        if device.type == "cpu" and not bool(live.any()):
+            break
+    num_accepted = (accepted_rows >= 0).sum(1)
+    return AcceptanceResult(accepted_rows[:, :max_steps - 1].contiguous(), output, num_accepted)
+
+
 def accept_tree(tree: HybridTree, target_logits: torch.Tensor, params: SamplingBatch,
                 probs_fn: ProbsFn | None = None,
                 argmax_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                row_tokens: torch.Tensor | None = None,
                 ) -> AcceptanceResult:
     """Walk every request's tree with the explicit rule of the module docstring.
 
     target_logits: [B, N+1, V], row i = target logits after the path to tree row i.
     probs_fn / argmax_fn: how plain decoding turns logits into a distribution / a greedy
     token (defaults: :func:`sampling_probs`, ``argmax``).
+    row_tokens: [B, N+1] the target's argmax at every valid row, when the caller has it
+    (column 0 of :func:`vllm_graft.ops.logits_topk`); an all-greedy batch without an
+    ``argmax_fn`` then walks with :func:`greedy_walk` and reads no logits here.
     """
     batch, rows, _ = target_logits.shape
     if tree.tokens.shape != (batch, rows):
         raise ValueError(f"tree has shape {tuple(tree.tokens.shape)}, logits {batch}x{rows}")
+    if argmax_fn is None and bool(params.is_greedy.all()):
+        if row_tokens is None:
+            row_tokens = tree_row_topk(tree, target_logits, 1)[..., 0]
+        return greedy_walk(tree, row_tokens)
     if probs_fn is None:
         def probs_fn(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
             return sampling_probs(
@@ -192,6 +239,26 @@ def accept_tree(tree: HybridTree, target_logits: torch.Tensor, params: SamplingB
         return emitted
 
     return walk_tree(tree, explicit_rule)
+
+
+def tree_row_topk(tree: HybridTree, target_logits: torch.Tensor, k: int,
+                  backend: str = "compiled") -> torch.Tensor:
+    """[B, N+1, k] the target's top-k token ids at every valid tree row, best first
+    (column 0 is the row's argmax), -1 at invalid rows; one pass over each valid row's
+    logits (:func:`vllm_graft.ops.logits_topk`, or its torch reference)."""
+    batch, rows, vocab = target_logits.shape
+    flat = target_logits.reshape(batch * rows, vocab)
+    index = torch.arange(batch * rows, device=flat.device).view(batch, rows)
+    index = torch.where(tree.valid.to(flat.device), index, -1).reshape(-1)
+    if backend == "compiled":
+        from vllm_graft.ops import logits_topk
+
+        top = logits_topk(flat, k, index, check=False)
+    else:
+        from vllm_graft.ops_reference import reference_logits_topk
+
+        top = reference_logits_topk(flat, k, index)
+    return top.view(batch, rows, k)
 
 
 def _sample_level(probs: torch.Tensor, children: torch.Tensor, child_tokens: torch.Tensor,

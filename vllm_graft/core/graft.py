@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_graft.core.acceptance import AcceptanceResult
+from vllm_graft.core.acceptance import AcceptanceResult, tree_row_topk
 from vllm_graft.core.config import GraftConfig, TreeShape, Variant, resolve_tree_shape
 from vllm_graft.core.draft_tree import DraftTree, DraftTreeBuilder, Drafter
 from vllm_graft.core.hybrid import (SOURCE_CONTEXT, SOURCE_DRAFT, SOURCE_PAD, SOURCE_RETRIEVED,
@@ -302,16 +302,27 @@ class GraftTreeBuilder:
             replaced_nodes=replaced,
         )
 
-    def observe(self, tree: HybridTree, target_logits: torch.Tensor) -> None:
+    def observe(self, tree: HybridTree, target_logits: torch.Tensor,
+                row_topk: torch.Tensor | None = None) -> None:
         """Learn from a verification: every valid row writes the target's top-k at that
         row into its token's matrix row (accepted and rejected rows alike); padding rows
         of fixed-shape trees (``SOURCE_PAD``) are skipped.
 
-        target_logits: [B, N+1, V]. Rows are written in flat (request, row) order, so
-        when one token occurs at several rows the last one wins, on every device.
+        target_logits: [B, N+1, V]; row_topk: [B, N+1, k] the target's top-k at every
+        valid row when the caller already has it (:func:`tree_row_topk`, also the source
+        of greedy acceptance), so the vocabulary is read once per row. Rows are written
+        in flat (request, row) order, so when one token occurs at several rows the last
+        one wins, on every device.
         """
         tokens = learnable_tokens(tree).reshape(-1)
-        self.matrix.update_from_logits_(tokens, target_logits.reshape(tokens.numel(), -1))
+        next_tokens = None if row_topk is None else row_topk.reshape(tokens.numel(), -1)
+        self.matrix.update_from_logits_(tokens, target_logits.reshape(tokens.numel(), -1),
+                                        next_tokens=next_tokens)
+
+    def target_topk(self, tree: HybridTree, target_logits: torch.Tensor) -> torch.Tensor:
+        """[B, N+1, successor_k] the target's top-k at every valid row of ``tree``: what
+        :meth:`observe` writes, and (column 0) what greedy acceptance follows."""
+        return tree_row_topk(tree, target_logits, self.matrix.k, self.matrix.backend)
 
 
 def learnable_tokens(tree: HybridTree) -> torch.Tensor:

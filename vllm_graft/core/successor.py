@@ -109,24 +109,39 @@ class SuccessorMatrix:
         else:
             self._update(self.table, tokens, next_tokens)
 
+    def target_topk(self, logits: torch.Tensor, rows: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+        """[N, k] the target's ``k`` most likely next tokens at logits rows ``rows``
+        (default: every row), best first, column 0 the row's argmax; ``-1`` in ``rows``
+        skips the row (a row of -1). One pass over each row read, where it lies."""
+        if self.backend == "compiled":
+            from vllm_graft.ops import logits_topk
+
+            return logits_topk(logits, self.k, rows, check=self.check)
+        from vllm_graft.ops_reference import reference_logits_topk
+
+        return reference_logits_topk(logits, self.k, rows)
+
     def update_from_logits_(self, tokens: torch.Tensor, logits: torch.Tensor,
                             rows: torch.Tensor | None = None,
-                            partitions: torch.Tensor | None = None) -> None:
+                            partitions: torch.Tensor | None = None,
+                            next_tokens: torch.Tensor | None = None) -> None:
         """Write the target's top-k at every verified node.
 
         tokens: [N] node tokens (-1 = padding, skipped by the update); logits: [R, vocab]
         target logits; rows: [N] the row of ``logits`` at each node (default: row i);
-        partitions: [N] the partition each node teaches (default: 0; -1: none).
-        The top-k reads ``logits`` where it lies: gathering rows first would copy a
-        vocabulary-wide tensor (and a boolean selection would also synchronise a GPU).
+        partitions: [N] the partition each node teaches (default: 0; -1: none);
+        next_tokens: [N, k] the top-k at each node when the caller already has it
+        (:meth:`target_topk`), else it is computed here for the rows written only.
         """
         if tokens.numel() == 0:
             return
-        next_tokens = torch.topk(logits, self.k, dim=-1, sorted=True).indices
-        if rows is not None:
-            next_tokens = next_tokens[rows]
         if partitions is not None:
             tokens = self.partition_rows(tokens, partitions)
+        if next_tokens is None:
+            if rows is None:
+                rows = torch.arange(tokens.numel(), device=tokens.device)
+            next_tokens = self.target_topk(logits, torch.where(tokens >= 0, rows, EMPTY))
         self.update_(tokens, next_tokens)
 
     # ---- partitions (isolated serving) ------------------------------------------------

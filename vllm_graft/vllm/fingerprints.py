@@ -709,6 +709,44 @@ FINGERPRINTS: tuple[Fingerprint, ...] = (
             'logprobs_mode_override',
         ),
     ),
+    Fingerprint(
+        'vllm.v1.sample.sampler', 'Sampler.apply_logits_processors',
+        patched_by=None,
+        why=('everything that edits logits before the greedy choice: a greedy batch free '
+             'of all of it is accepted from the raw argmax (sampling.argmax_is_the_sample)'),
+        params=('self', 'logits', 'sampling_metadata', 'predict_bonus_token'),
+        source_sha256='f05723b69779f60a06b8afe371f6e2e5503a9cdf0b8a79430d2a330dbeb313fb',
+    ),
+    Fingerprint(
+        'vllm.v1.sample.sampler', 'Sampler.sample',
+        patched_by=None,
+        why='an all-greedy batch is sampled as the argmax of the processed logits',
+        params=('self', 'logits', 'sampling_metadata', 'logprobs_mode_override'),
+        source_sha256='fd54cc022b3eacafd0788738241e465402198fa37076448815142ba487755bfc',
+    ),
+    Fingerprint(
+        'vllm.v1.sample.sampler', 'Sampler.greedy_sample',
+        patched_by=None,
+        why=('the greedy choice logits_topk reproduces: the first of equal maxima, NaN '
+             'above numbers (vLLM CPU kernel or torch.argmax)'),
+        params=('logits',),
+        source_sha256='84d3239c36dc9b9ccf3f9ba91760b4049010c36e41bc89c639a7c8d6d6ca8e3a',
+    ),
+    Fingerprint(
+        'vllm.v1.sample.logits_processor.builtin', 'LogitBiasLogitsProcessor.apply',
+        patched_by=None,
+        why='edits nothing while its biases dict is empty (read by argmax_is_the_sample)',
+        params=('self', 'logits'),
+        source_sha256='42890cb8fddb29d1a799cf5388a2722724c48dde18ca7e6a21089845cf2af2f9',
+    ),
+    Fingerprint(
+        'vllm.v1.sample.logits_processor.builtin', 'MinTokensLogitsProcessor.apply',
+        patched_by=None,
+        why=('edits nothing while its min_toks dict is empty (read by '
+             'argmax_is_the_sample)'),
+        params=('self', 'logits'),
+        source_sha256='356fc2de65cbdd65188c9478703eba3551b5d60906561698ea0ab4d5d0ec5d9a',
+    ),
 )
 # END GENERATED FINGERPRINTS
 

@@ -31,11 +31,12 @@ import torch
 
 from vllm.v1.outputs import SamplerOutput
 
-from vllm_graft.core.acceptance import AcceptanceResult, walk_tree
+from vllm_graft.core.acceptance import AcceptanceResult, greedy_walk, walk_tree
 from vllm_graft.core.config import StepMode
 from vllm_graft.core.graft import accepted_by_source
 from vllm_graft.core.hybrid import SOURCE_PAD, HybridTree, ancestor_mask
 from vllm_graft.vllm.proposer import GraftProposer, PendingTree, SettledRows
+from vllm_graft.vllm.sampling import argmax_is_the_sample
 from vllm_graft.vllm.tp_agreement import agree
 from vllm_graft.vllm.timing import device_clock
 from vllm_graft.vllm.tree_attention import (TreeAttentionPlan, TreeRequestPlan, kv_reader,
@@ -184,12 +185,15 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
     sampler choosing the token at each node: the emitted token at every node is exactly
     what plain decoding would sample there (every sampling option, the same random
     stream for seeded requests), and a child is accepted when it carries that token.
-    vLLM's chain rejection sampler is never used (its CPU path is not lossless in 0.32).
+    When that sample is the plain argmax at every row (:func:`argmax_is_the_sample`:
+    a greedy batch with no logit-editing option), one top-k pass over the tree rows'
+    logits gives both the walk (its first column) and the successor matrix's lesson,
+    with no per-level sampler call. vLLM's chain rejection sampler is never used (its
+    CPU path is not lossless in 0.32).
     """
     step: GraftStep = runner._graft_step
     stats: GraftStats = runner._graft_stats
     start = device_clock(logits.device)
-    level_zero_seconds = 0.0
     sampling_metadata = runner.input_batch.sampling_metadata
     device = logits.device
     num_sampled = torch.as_tensor(spec_decode_metadata.num_draft_tokens, device=device) + 1
@@ -198,7 +202,51 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
     trees = step.trees if step is not None else []
     host_tree = _batch_trees(trees, batch)
     tree = host_tree.to(device)
+    row_topk = None
+    if argmax_is_the_sample(sampling_metadata):
+        rows = starts.unsqueeze(1) + torch.arange(tree.tokens.shape[1], device=device)
+        rows = torch.where(tree.valid, rows, -1).reshape(-1)
+        row_topk = runner.drafter.matrix.target_topk(logits, rows).view(
+            batch, tree.tokens.shape[1], -1)
+        result = greedy_walk(tree, row_topk[..., 0])
+        level_zero_seconds, logprobs = 0.0, None
+        stats.counts["one_pass_verifications"] += 1
+    else:
+        result, level_zero_seconds, logprobs = _walk_with_sampler(
+            runner, tree, logits, starts, sampling_metadata)
+    output = result.output_tokens
+    if trees:
+        host = _to_host(result)
+        step.result = host
+        _move_accepted_kv(runner, step, host)
+        stats.counts["verified_trees"] += len(trees)
+        stats.counts["verified_nodes"] += sum(t.tree.tokens.numel() - 1 for t in trees)
+        for source, n in accepted_by_source(host_tree, host).items():
+            stats.counts[f"accepted_{source}"] += n
+        if runner.drafter.sizer is not None:
+            runner.drafter.sizer.observe(host_tree, host)
+        for observer in TREE_OBSERVERS:
+            for t in trees:
+                count = int(host.num_accepted[t.batch_row])
+                observer(t, host.accepted_rows[t.batch_row, :count].tolist())
+    if runner.drafter.mode is not StepMode.PLAIN:  # the guard's plain mode learns nothing
+        _learn(runner, logits, spec_decode_metadata, starts, trees, row_topk)
+    if step is not None and step.plan is not None:
+        stats.add_seconds("tree_attention", step.plan.seconds)
+    runner._graft_sample_seconds = device_clock(device) - start - level_zero_seconds
+    stats.add_seconds("bookkeeping", runner._graft_sample_seconds)
+    return SamplerOutput(sampled_token_ids=output.to(torch.int32), logprobs_tensors=logprobs)
+
+
+def _walk_with_sampler(runner, tree: HybridTree, logits: torch.Tensor, starts: torch.Tensor,
+                       sampling_metadata):
+    """The tree walk with vLLM's sampler emitting the token at each level's nodes:
+    ``(result, seconds of level 0, logprobs in vLLM's spec layout or None)``. Level 0
+    is what plain decoding samples too, so its time is not Graft's overhead."""
+    device = logits.device
+    batch = starts.numel()
     level_logprobs = []
+    level_zero_seconds = 0.0
     all_rows = torch.arange(batch, device=device)
 
     def sample_level(level: int, rows: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
@@ -218,31 +266,10 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
         return out.sampled_token_ids.view(-1)[rows].long()
 
     result = walk_tree(tree, sample_level)
-    output = result.output_tokens
-    if trees:
-        host = _to_host(result)
-        step.result = host
-        _move_accepted_kv(runner, step, host)
-        stats.counts["verified_trees"] += len(trees)
-        stats.counts["verified_nodes"] += sum(t.tree.tokens.numel() - 1 for t in trees)
-        for source, n in accepted_by_source(host_tree, host).items():
-            stats.counts[f"accepted_{source}"] += n
-        if runner.drafter.sizer is not None:
-            runner.drafter.sizer.observe(host_tree, host)
-        for observer in TREE_OBSERVERS:
-            for t in trees:
-                count = int(host.num_accepted[t.batch_row])
-                observer(t, host.accepted_rows[t.batch_row, :count].tolist())
-    if runner.drafter.mode is not StepMode.PLAIN:  # the guard's plain mode learns nothing
-        _learn(runner, logits, spec_decode_metadata, starts, trees)
     logprobs = None
     if level_logprobs[0] is not None:
-        logprobs = _stack_levels(level_logprobs, output.shape[1])
-    if step is not None and step.plan is not None:
-        stats.add_seconds("tree_attention", step.plan.seconds)
-    runner._graft_sample_seconds = device_clock(device) - start - level_zero_seconds
-    stats.add_seconds("bookkeeping", runner._graft_sample_seconds)
-    return SamplerOutput(sampled_token_ids=output.to(torch.int32), logprobs_tensors=logprobs)
+        logprobs = _stack_levels(level_logprobs, result.output_tokens.shape[1])
+    return result, level_zero_seconds, logprobs
 
 
 def _stack_levels(levels: list, width: int):
@@ -259,13 +286,15 @@ def _stack_levels(levels: list, width: int):
                            stack("selected_token_ranks"))
 
 
-def _learn(runner, logits, spec_decode_metadata, starts, trees) -> None:
+def _learn(runner, logits, spec_decode_metadata, starts, trees, row_topk=None) -> None:
     """Every verified row teaches the successor matrix: all rows of each tree, and the
     sampled row of every other request (its decode or last prefill row). One update in
-    persistent-batch order, so the last-writer rule is the same on every rank."""
+    persistent-batch order, so the last-writer rule is the same on every rank.
+    ``row_topk`` [B, rows, k]: the target's top-k at every tree row when acceptance has
+    read it already (row 0 of a request without a tree is its sampled row)."""
     tree_of_row = {t.batch_row: t for t in trees}
     input_ids = runner.input_ids.gpu
-    rows, tokens = [], []
+    rows, tokens, known = [], [], []
     for b in range(starts.numel()):
         verified = tree_of_row.get(b)
         if verified is not None:
@@ -275,15 +304,19 @@ def _learn(runner, logits, spec_decode_metadata, starts, trees) -> None:
             tokens.append(torch.where(verified.tree.source == SOURCE_PAD, -1,
                                       verified.tree.tokens).to(starts.device))
         else:
+            n = 1
             row = starts[b:b + 1]
             rows.append(row)
             tokens.append(input_ids[spec_decode_metadata.logits_indices[row]].long())
+        if row_topk is not None:
+            known.append(row_topk[b, :n])
     drafter = runner.drafter
     partitions = drafter.partitions(runner, runner.input_batch.req_ids[:starts.numel()])
     if partitions is not None:  # each request teaches its own matrix (graft.isolation)
         counts = torch.tensor([r.numel() for r in rows], device=partitions.device)
         partitions = partitions.repeat_interleave(counts)
-    drafter.matrix.update_from_logits_(torch.cat(tokens), logits, torch.cat(rows), partitions)
+    drafter.matrix.update_from_logits_(torch.cat(tokens), logits, torch.cat(rows), partitions,
+                                       next_tokens=torch.cat(known) if known else None)
 
 
 def _move_accepted_kv(runner, step: GraftStep, result: AcceptanceResult) -> None:

@@ -29,3 +29,32 @@ def plain_decoding_reason(params, num_output_tokens: int) -> str | None:
     if getattr(params, "watermarking", None):
         return "watermarking"
     return None
+
+
+def argmax_is_the_sample(sampling_metadata) -> bool:
+    """Whether vLLM's sampler would emit the plain argmax of the raw logits at every row
+    of this batch: every request greedy, no logprobs, and nothing that edits logits
+    before the greedy choice (allowed-token masks, bad words, penalties, thinking
+    budgets, or an active logits processor that can move the argmax: vLLM's built-in
+    logit bias and min-tokens processors hold no request; any other such processor
+    counts as active). Then a tree's acceptance needs only the argmax at each row, read
+    from the same top-k pass the successor matrix learns from."""
+    from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor,
+                                                         MinTokensLogitsProcessor)
+
+    if not sampling_metadata.all_greedy or sampling_metadata.max_num_logprobs is not None:
+        return False
+    if sampling_metadata.logprob_token_ids or sampling_metadata.allowed_token_ids_mask \
+            is not None or sampling_metadata.bad_words_token_ids \
+            or not sampling_metadata.no_penalties:
+        return False
+    holder = sampling_metadata.thinking_budget_state_holder
+    if holder is not None and holder.has_tracked_requests():
+        return False
+    for processor in sampling_metadata.logitsprocs.non_argmax_invariant:
+        if isinstance(processor, LogitBiasLogitsProcessor) and not processor.biases:
+            continue
+        if isinstance(processor, MinTokensLogitsProcessor) and not processor.min_toks:
+            continue
+        return False
+    return True
