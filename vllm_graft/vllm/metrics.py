@@ -55,9 +55,9 @@ GRAFT_COUNTERS = {
     "chain_nodes": "Nodes of copy chains (the root excluded).",
     "replaced_nodes": "Low-confidence drafted nodes that fixed-shape trees replaced "
                       "with retrieved ones.",
-    "one_pass_verifications": "Verification steps of all-greedy batches accepted from one "
-                              "top-k pass over the tree rows' logits (no per-level "
-                              "sampler calls; the same pass teaches the successor matrix).",
+    "one_pass_verifications": "Sampling steps of all-greedy batches done from one top-k "
+                              "pass over the verified rows' logits (no per-level sampler "
+                              "calls; the same pass teaches the successor matrix).",
     "bookkeeping_us": "Microseconds of Graft's own work outside model forwards.",
     "draft_forward_us": "Microseconds of draft-head forwards (catch-up and tree steps).",
     "tree_attention_us": "Microseconds recomputing tree rows' attention in the target "

@@ -127,7 +127,11 @@ def _prepare_tree_verification(runner, scheduler_output) -> GraftStep:
         requests.append(TreeRequestPlan(
             query_start=t.query_start, num_rows=n, prefix_len=t.prefix_len,
             block_table=block_table[t.batch_row], mask=mask.to(runner.device)))
-    return GraftStep(trees=trees, plan=TreeAttentionPlan(requests=requests))
+    # when tree rows are all the step computes, the backend's own (causal) attention
+    # over them would be thrown away: the plan then replaces it
+    every_row = sum(r.num_rows for r in requests) == scheduler_output.total_num_scheduled_tokens
+    return GraftStep(trees=trees, plan=TreeAttentionPlan(requests=requests,
+                                                         replace_all=every_row))
 
 
 def is_chain(parents: torch.Tensor) -> bool:

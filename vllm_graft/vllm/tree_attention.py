@@ -65,6 +65,16 @@ class TreeRequestPlan:
     block_table: torch.Tensor
     mask: torch.Tensor
     context_rows: torch.Tensor | None = None
+    _visible: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    def visible(self, device: torch.device) -> torch.Tensor:
+        """[num_rows, prefix_len + C + num_rows] bool: what each row may attend to,
+        built once per forward (every layer uses the same)."""
+        if self._visible is None or self._visible.device != device:
+            self._visible = torch.cat([
+                torch.ones((self.num_rows, self.prefix_len), dtype=torch.bool, device=device),
+                self.mask.to(device)], dim=1)
+        return self._visible
 
 
 @dataclass
@@ -101,7 +111,7 @@ class TreeKVStore:
 class TreeAttentionPlan:
     requests: list[TreeRequestPlan]
     store: TreeKVStore | None = None
-    replace_all: bool = False  # every row is a tree row: skip the native kernel
+    replace_all: bool = False  # every row of the forward is a tree row: skip the native kernel
     # the K/V rows this forward appends to the store, in store order
     store_rows: torch.Tensor | None = None
     seconds: float = 0.0  # time spent recomputing tree rows (for the overhead metrics)
@@ -318,32 +328,26 @@ def tree_attention_forward(original, impl, layer, query, key, value, kv_cache,
 def sdpa_tree_rows(plan: TreeAttentionPlan, layer_name: str, query, key, value, kv_cache,
                    read_paged_kv, scale: float, out_view: torch.Tensor) -> None:
     """The reference path: per request, the prefix read from the paged cache, earlier
-    draft rows from the store, this forward's rows from ``key``/``value``; SDPA in fp32."""
+    draft rows from the store, this forward's rows from ``key``/``value``; SDPA in fp32
+    (grouped-query heads share their K/V without copies)."""
     for req in plan.requests:
         rows = slice(req.query_start, req.query_start + req.num_rows)
+        parts_k, parts_v = [], []
         if req.prefix_len:
             k_prefix, v_prefix = read_paged_kv(kv_cache, req.block_table, req.prefix_len)
-        else:
-            k_prefix = v_prefix = key.new_empty((key.shape[1], 0, key.shape[2]))
-        parts_k = [k_prefix.transpose(0, 1)]
-        parts_v = [v_prefix.transpose(0, 1)]
+            parts_k.append(k_prefix)
+            parts_v.append(v_prefix)
         if req.context_rows is not None and req.context_rows.numel():
             k_ctx, v_ctx = plan.store.rows(layer_name, req.context_rows)
-            parts_k.append(k_ctx)
-            parts_v.append(v_ctx)
-        parts_k.append(key[rows])
-        parts_v.append(value[rows])
-        k_all = torch.cat(parts_k).transpose(0, 1).float()  # [kv_heads, S, head]
-        v_all = torch.cat(parts_v).transpose(0, 1).float()
+            parts_k.append(k_ctx.transpose(0, 1))
+            parts_v.append(v_ctx.transpose(0, 1))
+        parts_k.append(key[rows].transpose(0, 1))
+        parts_v.append(value[rows].transpose(0, 1))
+        k_all = torch.cat(parts_k, dim=1).float()  # [kv_heads, S, head]
+        v_all = torch.cat(parts_v, dim=1).float()
         q = query[rows].transpose(0, 1).float()  # [heads, n, head]
-        groups = q.shape[0] // k_all.shape[0]
-        if groups > 1:
-            k_all = k_all.repeat_interleave(groups, dim=0)
-            v_all = v_all.repeat_interleave(groups, dim=0)
-        visible = torch.cat([
-            torch.ones((req.num_rows, req.prefix_len), dtype=torch.bool, device=q.device),
-            req.mask.to(q.device)], dim=1)
-        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=visible, scale=scale)
+        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=req.visible(q.device),
+                                             scale=scale, enable_gqa=q.shape[0] != k_all.shape[0])
         out_view[rows] = out.transpose(0, 1).to(out_view.dtype)
 
 
