@@ -50,6 +50,8 @@ def test_gpu_check_smoke_run(tmp_path):
                     "verification_cost"):
         assert f"## {section}: ok" in report, report
     assert "gpu_check: verification_cost ok" in result.stdout
+    # bookkeeping is reported as a share of a step, the forward read off the cost curve
+    assert "share_greedy" in report and "share_sampled" in report, report
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU machine: the "

@@ -210,10 +210,14 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
     if argmax_is_the_sample(sampling_metadata):
         rows = starts.unsqueeze(1) + torch.arange(tree.tokens.shape[1], device=device)
         rows = torch.where(tree.valid, rows, -1).reshape(-1)
+        pass_start = device_clock(device)
         row_topk = runner.drafter.matrix.target_topk(logits, rows).view(
             batch, tree.tokens.shape[1], -1)
+        # plain decoding reads each request's one row too: that share is not Graft's
+        level_zero_seconds = (device_clock(device) - pass_start) * batch \
+            / max(int(host_tree.valid.sum()), 1)
         result = greedy_walk(tree, row_topk[..., 0])
-        level_zero_seconds, logprobs = 0.0, None
+        logprobs = None
         stats.counts["one_pass_verifications"] += 1
     else:
         result, level_zero_seconds, logprobs = _walk_with_sampler(
