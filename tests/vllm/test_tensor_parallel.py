@@ -55,12 +55,31 @@ def plain_tp1(tiny_models):
 
 
 @pytest.mark.timeout(300)  # ranks that disagree deadlock in their collectives
-def test_mp_tp2_is_greedy_identical_and_ranks_agree(tiny_models, monkeypatch, plain_tp1):
+def test_mp_tp2_auto_budget_ranks_agree(tiny_models, monkeypatch, plain_tp1):
+    """Budget "auto": the throughput guard and the sizer decide from each rank's own
+    clock, so the ranks would disagree without the broadcast. Whether trees pay off
+    depends on this machine's timings, so only agreement and exactness are asserted
+    here; the fixed-budget test below asserts that trees are verified."""
     from vllm_graft.vllm.rpc import matrix_digest, start_tree_recording
 
-    # budget "auto": the throughput guard and the sizer decide from each rank's clock
     spec = {"method": "graft", "model": str(tiny_models.head),
             "graft": {"isolation": "global", "guard_modes": ["tree", "chain"]}}
+    with tp2_engine(tiny_models, monkeypatch, spec) as llm:
+        llm.collective_rpc(start_tree_recording)
+        assert greedy_token_ids(llm, PROMPTS, MAX_TOKENS) == plain_tp1
+        rank0, rank1 = trees_seen(llm)
+        assert rank0 == rank1
+        digests = llm.collective_rpc(matrix_digest)
+        assert len(digests) == 2 and digests[0] == digests[1]
+
+
+@pytest.mark.timeout(300)
+def test_mp_tp2_fixed_budget_trees_agree_even_when_matrices_differ(tiny_models, monkeypatch,
+                                                                  plain_tp1):
+    from vllm_graft.vllm.rpc import matrix_digest, start_tree_recording
+
+    spec = graft_spec(tiny_models.head, budget=16)
+    spec["graft"]["isolation"] = "global"
     with tp2_engine(tiny_models, monkeypatch, spec) as llm:
         llm.collective_rpc(start_tree_recording)
         assert greedy_token_ids(llm, PROMPTS, MAX_TOKENS) == plain_tp1
@@ -79,10 +98,3 @@ def test_mp_tp2_is_greedy_identical_and_ranks_agree(tiny_models, monkeypatch, pl
         assert greedy_token_ids(llm, PROMPTS, MAX_TOKENS) == plain_tp1
         rank0, rank1 = trees_seen(llm)
         assert rank0 and rank0 == rank1
-
-
-@pytest.mark.timeout(300)
-def test_mp_tp2_fixed_budget_trees(tiny_models, monkeypatch, plain_tp1):
-    with tp2_engine(tiny_models, monkeypatch, graft_spec(tiny_models.head, budget=16)) as llm:
-        assert greedy_token_ids(llm, PROMPTS, MAX_TOKENS) == plain_tp1
-        assert spec_metrics(llm)["graft_verified_trees"] > 0

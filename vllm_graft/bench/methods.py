@@ -16,22 +16,28 @@ class Method:
 
     def speculative_config(self, head: str, warmup: str | None, calibration: str | None,
                            drafter: str = "eagle3",
-                           tail_calibration: str | None = None) -> dict | None:
+                           tail_calibration: str | None = None, dflash: str | None = None,
+                           dflash_calibration: str | None = None) -> dict | None:
         """``head``: the EAGLE-3 head, or the draft model when ``drafter`` is
         ``draft_model`` (vLLM's chain then uses the draft model too). ``calibration``
         serves the tree variants, ``tail_calibration`` (a chain calibration) the
-        Graft-TAIL ones."""
+        Graft-TAIL ones. The DFlash methods use ``dflash`` (a block drafter) instead of
+        ``head``, and ``dflash_calibration`` (a chain calibration of its blocks)."""
         if self.kind == "plain":
             return None
         if self.kind == "vllm":
             spec = dict(self.spec)
-            if spec.get("model") == "HEAD":
+            if spec.get("model") == "DFLASH":
+                spec["model"] = dflash
+            elif spec.get("model") == "HEAD":
                 spec["model"] = head
                 if drafter == "draft_model":
                     spec["method"] = "draft_model"
             return spec
         graft = dict(self.graft)
-        if drafter != "eagle3":
+        if graft.get("drafter") == "dflash":
+            head, tail_calibration = dflash, dflash_calibration
+        elif drafter != "eagle3":
             graft["drafter"] = drafter
         if self.uses_retrieval and warmup and "warmup" not in graft:
             graft["warmup"] = warmup
@@ -44,7 +50,7 @@ class Method:
         return {"method": "graft", "model": head, "graft": graft}
 
 
-def methods(budget: int, chain_tokens: int = 5) -> dict[str, Method]:
+def methods(budget: int, chain_tokens: int = 5, dflash_block: int = 8) -> dict[str, Method]:
     return {
         "plain": Method("plain", "plain", note="no speculation"),
         "eagle3": Method("eagle3", "vllm", {"method": "eagle3", "model": "HEAD",
@@ -90,6 +96,17 @@ def methods(budget: int, chain_tokens: int = 5) -> dict[str, Method]:
                             uses_retrieval=True,
                             note=f"Graft-TAIL sized per step ({chain_tokens} tokens as a "
                                  f"cap) with the throughput guard on"),
+        "dflash": Method("dflash", "vllm", {"method": "dflash", "model": "DFLASH",
+                                            "num_speculative_tokens": dflash_block},
+                         note=f"vLLM's DFlash block drafter, blocks of {dflash_block} "
+                              f"tokens"),
+        "tail_dflash": Method("tail_dflash", "graft",
+                              graft={"variant": "tail", "drafter": "dflash",
+                                     "budget": dflash_block},
+                              uses_retrieval=True,
+                              note=f"Graft-TAIL on the DFlash drafter: the block's "
+                                   f"confident prefix, the matrix's walk after it, "
+                                   f"{dflash_block} tokens"),
         "graft_plain": Method("graft_plain", "graft",
                               graft={"variant": "graft", "budget": "auto",
                                      "guard_modes": ["plain"]},

@@ -116,6 +116,11 @@ def markdown(results: dict) -> str:
              f"Machine: {results['machine']['cpu']} ({results['machine']['cores']} cores), "
              f"torch {results['machine']['torch']}.", "",
              f"Command: `{cfg.get('command') or 'vllm-graft bench'}`", ""]
+    warm = cfg.get("engine_warmup")
+    if isinstance(warm, dict) and warm.get("prompts"):
+        lines += [f"Every engine first generated {warm['tokens']} tokens for up to "
+                  f"{warm['prompts']} ShareGPT prompts (from #{warm['offset']}, in no "
+                  f"dataset), untimed.", ""]
     means = method_means(results)
     lines += ["## Summary (mean over datasets)", "",
               "| method | MAT | tokens / step | tokens/s | draft forwards / step | "

@@ -23,6 +23,14 @@ from vllm_graft.bench.methods import Method, methods
 from vllm_graft.cli.common import render_prompts
 
 
+DFLASH_METHODS = ("dflash", "tail_dflash")  # rows that need a DFlash block drafter
+#: every engine first generates this many tokens for as many ShareGPT prompts as its
+#: largest dataset, untimed (prompts from this offset on: no warm-up, calibration or
+#: training set of the tools reaches it)
+ENGINE_WARMUP_TOKENS = 16
+ENGINE_WARMUP_OFFSET = 16_000
+
+
 @dataclass
 class BenchConfig:
     target: str
@@ -43,7 +51,12 @@ class BenchConfig:
     ablations: bool = False
     ablation_datasets: list[str] = field(default_factory=lambda: ["humaneval", "mtbench"])
     drafter: str = "eagle3"  # or "draft_model": ``head`` is then a draft model
+    dflash: str | None = None  # the DFlash block drafter of the dflash / tail_dflash rows
+    dflash_block: int = 8
+    dflash_calibration: str | None = None  # Graft-TAIL's, for its blocks
     command: str = ""
+    #: prompt token ids every engine generates from, untimed, before the datasets
+    engine_warmup: list[list[int]] = field(default_factory=list)
     #: the batch sweep: each method of ``batch_methods`` on every dataset at each batch
     #: size (``max_num_seqs``), with max(batch, prompts) prompts per dataset
     batch_sizes: list[int] = field(default_factory=list)
@@ -102,6 +115,8 @@ def summarize(method: Method, delta: dict, tokens: int, seconds: float,
                          if k.startswith("graft_stage_") and v}
     elif method.name == "eagle3":  # vLLM's chain: one drafter forward per draft token
         row["draft_forwards_per_step"] = float(chain_tokens)
+    elif method.name == "dflash":  # one forward drafts the whole block
+        row["draft_forwards_per_step"] = 1.0
     else:
         row["draft_forwards_per_step"] = 0.0
     return row
@@ -120,10 +135,13 @@ def run_engine(config: BenchConfig, spec: dict | None, prompt_ids: dict[str, lis
     jobs = config.out / "jobs"
     jobs.mkdir(parents=True, exist_ok=True)
     job, result, log = (jobs / f"{label}.{ext}" for ext in ("job.json", "result.json", "log"))
+    warmup = [ids for ids in config.engine_warmup if len(ids) + config.max_tokens
+              < max_model_len][:max(len(p) for p in prompt_ids.values())]
     description = json.dumps({
         "target": config.target, "spec": spec, "max_tokens": config.max_tokens,
         "engine": {"dtype": config.dtype, "max_model_len": max_model_len,
                    "max_num_seqs": config.max_num_seqs},
+        "warmup": warmup, "warmup_tokens": min(ENGINE_WARMUP_TOKENS, config.max_tokens),
         "datasets": prompt_ids})
     # an interrupted run resumes: a finished engine with the very same job is reused
     if result.is_file() and job.is_file() and job.read_text() == description:
@@ -145,7 +163,8 @@ def run_methods(config: BenchConfig, prompt_ids: dict[str, list], method_list,
     rows, outputs = [], {}
     for method in tqdm(method_list, desc=label or "methods", unit="method"):
         spec = method.speculative_config(config.head, config.warmup, config.calibration,
-                                         config.drafter, config.tail_calibration)
+                                         config.drafter, config.tail_calibration,
+                                         config.dflash, config.dflash_calibration)
         if spec is not None and extra_graft and method.kind == "graft":
             spec["graft"].update(extra_graft)
             spec["graft"] = {k: v for k, v in spec["graft"].items() if v is not None}
@@ -174,12 +193,15 @@ def run_bench(config: BenchConfig) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(config.target)
     max_positions = AutoConfig.from_pretrained(config.target).max_position_embeddings
-    all_methods = methods(config.budget, config.chain_tokens)
+    all_methods = methods(config.budget, config.chain_tokens, config.dflash_block)
     notes = []
     chosen = []
     for name in config.methods:
         if name == "suffix" and not suffix_available():
             notes.append("suffix: skipped, arctic-inference is not installed")
+            continue
+        if name in DFLASH_METHODS and config.dflash is None:
+            notes.append(f"{name}: skipped, no DFlash drafter for this target")
             continue
         chosen.append(all_methods[name])
 
@@ -201,6 +223,9 @@ def run_bench(config: BenchConfig) -> dict:
         longest = max(longest, max(len(ids) for ids in prompt_ids[name]))
     max_model_len = min(max_positions, longest + config.max_tokens + config.budget + 16)
 
+    warm = render_prompts(tokenizer, datasets.sharegpt(config.cache_dir, limit=most,
+                                                       offset=ENGINE_WARMUP_OFFSET))
+    config = replace(config, engine_warmup=[r["prompt_token_ids"] for r in warm])
     first = {name: ids[:config.prompts] for name, ids in prompt_ids.items()}
     prompt_sets = {name: prompts[:config.prompts] for name, prompts in prompt_sets.items()}
     rows, outputs = run_methods(config, first, chosen, max_model_len)
@@ -299,6 +324,9 @@ def portable_config(config: BenchConfig) -> dict:
 
     settings = asdict(config)
     settings["cache_dir"] = "$VLLM_GRAFT_CACHE"
+    settings["engine_warmup"] = {"prompts": len(config.engine_warmup),
+                                 "offset": ENGINE_WARMUP_OFFSET,
+                                 "tokens": ENGINE_WARMUP_TOKENS}
     return {k: portable(v) for k, v in settings.items()}
 
 

@@ -1,9 +1,10 @@
 """One benchmark engine in a process of its own.
 
 ``python -m vllm_graft.bench.worker JOB.json RESULT.json``: starts one in-process vLLM
-engine with the job's speculative config, generates every dataset of the job as one
-batch, and writes per dataset the generated token ids, the engine's counter deltas
-and the wall time. Separate processes keep methods from sharing any process state
+engine with the job's speculative config, warms it up on the job's warm-up prompts
+(untimed, prompts no dataset holds), generates every dataset of the job as one batch,
+and writes per dataset the generated token ids, the engine's counter deltas and the
+wall time. Separate processes keep methods from sharing any process state
 (vLLM 0.32 cannot start an engine in a process where its ngram proposer was imported).
 """
 
@@ -49,6 +50,14 @@ def run_job(job: dict) -> dict:
     out = {"datasets": {}}
     started = time.time()
     with engine(job["target"], job["spec"], **job["engine"]) as llm:
+        if job.get("warmup"):
+            # untimed: the first batches of a fresh engine pay one-off costs (kernel
+            # set-up for each new shape, allocator growth, first-touch page faults) that
+            # a start-up profile pays for a Graft engine but not for a plain one
+            generate_counting_steps(llm, [TokensPrompt(prompt_token_ids=p)
+                                          for p in job["warmup"]],
+                                    SamplingParams(temperature=0.0, ignore_eos=True,
+                                                   max_tokens=job["warmup_tokens"]))
         for name, prompts in job["datasets"].items():
             before = counters(llm)
             start = time.perf_counter()

@@ -22,7 +22,7 @@ from vllm_graft.assets.pypi import default_cache_dir
 
 ALL_METHODS = ["plain", "eagle3", "ngram", "suffix", "dense_tree", "prune_only",
                "retrieval_only", "graft_no_context", "graft", "graft_chain", "graft_auto",
-               "tail", "tail_auto", "graft_plain"]
+               "tail", "tail_auto", "dflash", "tail_dflash", "graft_plain"]
 DIAGNOSTIC_METHODS = ["graft_plain"]  # run when named only
 ALL_DATASETS = ["humaneval", "mtbench", "gsm8k", "code-edit", "essays-4k", "code-4k", "code-8k",
                 "code-16k"]
@@ -32,6 +32,11 @@ COMMITTED_HEADS = Path(__file__).resolve().parents[2] / "assets" / "heads"
 def default_head(target: str) -> Path | None:
     head = COMMITTED_HEADS / f"{target}-eagle3"
     return head if (head / "config.json").is_file() else None
+
+
+def default_dflash(target: str) -> Path | None:
+    drafter = COMMITTED_HEADS / f"{target}-dflash"
+    return drafter if (drafter / "config.json").is_file() else None
 
 
 def main(argv=None) -> int:
@@ -58,6 +63,13 @@ def main(argv=None) -> int:
     p.add_argument("--calibration", help="calibration file (default: fitted in this run)")
     p.add_argument("--tail-calibration", help="Graft-TAIL calibration file for chains of "
                    "--chain-tokens (default: fitted in this run when tail is benchmarked)")
+    p.add_argument("--dflash", help="DFlash block drafter of the dflash / tail_dflash rows "
+                   "(default: the committed one for the target; without one they are skipped)")
+    p.add_argument("--dflash-block", type=int, default=8,
+                   help="block size of the DFlash rows (vLLM's num_speculative_tokens, "
+                   "Graft-TAIL's budget)")
+    p.add_argument("--dflash-calibration", help="Graft-TAIL calibration file for the DFlash "
+                   "blocks (default: fitted in this run when tail_dflash is benchmarked)")
     p.add_argument("--no-calibration", action="store_true", help="use default thresholds")
     p.add_argument("--draft-cost", type=float, default=0.1,
                    help="calibration: one draft step's cost relative to a verification")
@@ -78,6 +90,7 @@ def main(argv=None) -> int:
     from vllm_graft.bench.report import markdown, plots
     from vllm_graft.bench.runner import BenchConfig, run_bench, write_results
     from vllm_graft.cli.calibrate import run_calibration
+    from vllm_graft.cli.common import drafter_graft_keys
     from vllm_graft.cli.warmup import run_warmup
 
     cache = args.cache_dir or default_cache_dir()
@@ -95,6 +108,17 @@ def main(argv=None) -> int:
         if head is None:
             p.error(f"no committed head for {args.target!r}; pass --head or --draft-model")
     extra = {"drafter": drafter} if drafter != "eagle3" else {}
+    dflash = args.dflash or default_dflash(args.target)
+    if dflash is None:  # the DFlash rows run where a drafter is given or committed
+        named = set()  # methods asked for by name, not by default
+        for chosen in ("methods", "batch_methods"):
+            if getattr(args, chosen) != p.get_default(chosen):
+                named.update(getattr(args, chosen))
+        wanted = {"dflash", "tail_dflash"} & named
+        if wanted:
+            p.error(f"{', '.join(sorted(wanted))}: no DFlash drafter for {args.target!r}; "
+                    "pass --dflash")
+        args.methods = [m for m in args.methods if m not in ("dflash", "tail_dflash")]
     if args.quick:
         args.datasets = [d for d in args.datasets if d in ("humaneval", "mtbench", "gsm8k")]
         args.prompts, args.max_tokens, args.warmup_rounds = 2, 24, 1
@@ -123,12 +147,24 @@ def main(argv=None) -> int:
                             rounds=5, max_tokens=256, cache_dir=cache,
                             draft_cost=args.draft_cost, budget=args.chain_tokens,
                             dtype=args.dtype, extra_graft=extra, variant="tail")
+    dflash_calibration = args.dflash_calibration
+    if dflash is not None and dflash_calibration is None and not args.no_calibration \
+            and "tail_dflash" in args.methods + args.batch_methods:
+        dflash_calibration = str(args.out / f"calibration-dflash{args.dflash_block}.json")
+        if not Path(dflash_calibration).is_file():
+            run_calibration(target, str(dflash), Path(dflash_calibration), warmup=warmup,
+                            rounds=5, max_tokens=256, cache_dir=cache,
+                            draft_cost=args.draft_cost, budget=args.dflash_block,
+                            dtype=args.dtype, extra_graft=drafter_graft_keys("dflash"),
+                            variant="tail")
     config = BenchConfig(
         target=target, head=str(head), out=args.out, cache_dir=cache, methods=args.methods,
         datasets=args.datasets, prompts=args.prompts, max_tokens=args.max_tokens,
         budget=args.budget, chain_tokens=args.chain_tokens, warmup=warmup,
         calibration=calibration, tail_calibration=tail_calibration, dtype=args.dtype,
         max_num_seqs=args.max_num_seqs, ablations=args.ablations, drafter=drafter,
+        dflash=str(dflash) if dflash is not None else None, dflash_block=args.dflash_block,
+        dflash_calibration=dflash_calibration,
         batch_sizes=args.batch_sizes, batch_methods=args.batch_methods,
         command="vllm-graft bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])))
     results = run_bench(config)

