@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     cpu_runtime_defaults()
 
     from vllm_graft.bench.report import markdown, plots
-    from vllm_graft.bench.runner import BenchConfig, run_bench, write_results
+    from vllm_graft.bench.runner import DFLASH_METHODS, BenchConfig, run_bench, write_results
     from vllm_graft.cli.calibrate import run_calibration
     from vllm_graft.cli.common import drafter_graft_keys
     from vllm_graft.cli.warmup import run_warmup
@@ -114,11 +114,11 @@ def main(argv=None) -> int:
         for chosen in ("methods", "batch_methods"):
             if getattr(args, chosen) != p.get_default(chosen):
                 named.update(getattr(args, chosen))
-        wanted = {"dflash", "tail_dflash"} & named
+        wanted = set(DFLASH_METHODS) & named
         if wanted:
             p.error(f"{', '.join(sorted(wanted))}: no DFlash drafter for {args.target!r}; "
                     "pass --dflash")
-        args.methods = [m for m in args.methods if m not in ("dflash", "tail_dflash")]
+        args.methods = [m for m in args.methods if m not in DFLASH_METHODS]
     if args.quick:
         args.datasets = [d for d in args.datasets if d in ("humaneval", "mtbench", "gsm8k")]
         args.prompts, args.max_tokens, args.warmup_rounds = 2, 24, 1

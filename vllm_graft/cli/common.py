@@ -24,6 +24,8 @@ def add_training_data_args(parser, artifact: str) -> None:
                         help="skip the first prompts (kept for warm-up and calibration)")
     parser.add_argument("--max-prompt-tokens", type=int, default=384)
     parser.add_argument("--max-tokens", type=int, default=256, help="answer length")
+    parser.add_argument("--dtype", default="float32", help="dtype of the answer generation")
+    parser.add_argument("--cache-dir", type=Path, default=None)
 
 
 def render_prompts(tokenizer, prompts: list[Prompt]):

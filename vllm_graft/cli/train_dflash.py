@@ -53,11 +53,9 @@ def main(argv=None) -> int:
     p.add_argument("--mask-token-id", type=int, default=None,
                    help="default: an unused special token of the tokenizer")
     p.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--dtype", default="float32", help="dtype of the answer generation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunk", type=int, default=200,
                    help="prompts per cached chunk of answers and of features")
-    p.add_argument("--cache-dir", type=Path, default=None)
     args = p.parse_args(argv)
     cpu_runtime_defaults()
 

@@ -36,8 +36,6 @@ def main(argv=None) -> int:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--batch-tokens", type=int, default=2048)
-    p.add_argument("--dtype", default="float32", help="dtype of the answer generation")
-    p.add_argument("--cache-dir", type=Path, default=None)
     args = p.parse_args(argv)
     cpu_runtime_defaults()
 
