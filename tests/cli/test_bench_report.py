@@ -53,6 +53,19 @@ def test_batch_table_reports_speed_against_plain_at_each_batch():
     assert "## Batch sizes" in markdown(results([row("plain", "a", 1.0, 1.0)], batch_rows))
 
 
+def test_interleaved_rounds_are_reported_with_their_paired_spread():
+    plain = {**row("plain", "a", 1.0, 1.0, tps=30.0, batch=8),
+             "round_tokens_per_s": [30.0, 24.0, 33.0], "rounds_identical": 4}
+    graft = {**row("graft_auto", "a", 1.5, 1.5, tps=33.0, batch=8),
+             "round_tokens_per_s": [33.0, 21.6, 36.3], "rounds_identical": 3}
+    lines = "\n".join(batch_section(results([], [plain, graft])))
+    assert "ran each dataset 3 times" in lines
+    assert "for 7 / 8 requests" in lines  # one Graft request changed in a later round
+    assert "graft_auto batch 8 0.90-1.10" in lines  # round 2 slower than its plain round
+    assert "ran each dataset" not in "\n".join(batch_section(results([], [
+        row("plain", "a", 1.0, 1.0, tps=30.0, batch=8)])))
+
+
 def test_tail_is_checked_against_vllms_chain_and_gets_a_chain_calibration():
     from vllm_graft.bench.methods import methods
 
@@ -67,3 +80,14 @@ def test_tail_is_checked_against_vllms_chain_and_gets_a_chain_calibration():
     assert table["eagle3"].speculative_config("H", None, None)["num_speculative_tokens"] == 3
     graft = table["graft"].speculative_config("H", None, "tree.json", "eagle3", "chain.json")
     assert graft["graft"]["calibration"] == "tree.json"
+
+
+def test_engine_warmup_prompts_are_cut_to_fit_not_dropped():
+    from vllm_graft.bench.runner import engine_warmup_prompts
+
+    candidates = [list(range(500)), list(range(20)), list(range(300))]
+    datasets = {"a": [[1, 2]] * 2, "b": [[3]]}
+    warm = engine_warmup_prompts(candidates, datasets, max_model_len=165, max_tokens=64)
+    assert [len(p) for p in warm] == [100, 20]  # as many as the largest dataset
+    assert all(len(p) + 64 < 165 for p in warm)
+    assert engine_warmup_prompts(candidates, datasets, max_model_len=64, max_tokens=64) == []

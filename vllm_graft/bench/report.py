@@ -227,6 +227,7 @@ def batch_section(results: dict) -> list[str]:
                          f"goal >= 1.0 everywhere); batch 1 over all datasets: "
                          + (f"{speed[(name, 1)] / speed[('plain', 1)]:.2f}x (goal >= 1.15)"
                             if (name, 1) in speed and ("plain", 1) in speed else "n/a"))
+    lines += rounds_lines(by)
     for baseline in ("ngram", "eagle3"):
         pairs = [(d, ratio("graft_auto", 1, d, baseline))
                  for d in ("humaneval", "mtbench", "gsm8k")
@@ -235,6 +236,33 @@ def batch_section(results: dict) -> list[str]:
             lines.append("")
             lines.append(f"graft_auto / {baseline} at batch 1 (goal >= 1.0): "
                          + ", ".join(f"{d} {ratio:.2f}x" for d, ratio in pairs))
+    return lines
+
+
+def rounds_lines(by: dict) -> list[str]:
+    """The interleaved sweep's rounds: how many, whether later rounds repeated the first
+    one's greedy output, and the spread of each method's round-by-round ratio to plain
+    (round r of a method against round r of plain on the same dataset)."""
+    rounds = {len(r["round_tokens_per_s"]) for r in by.values() if "round_tokens_per_s" in r}
+    if not rounds:
+        return []
+    same = sum(r.get("rounds_identical", 0) for r in by.values())
+    total = sum(r["prompts"] for r in by.values() if "rounds_identical" in r)
+    lines = ["", f"Every sweep engine stayed alive beside the others and ran each dataset "
+                 f"{max(rounds)} times, taking turns in a rotated order; tokens/s above "
+                 f"are medians over the rounds. Greedy output repeated the first "
+                 f"round's in every later round for {same} / {total} requests."]
+    spreads = {}
+    for (name, batch, dataset), row in by.items():
+        base = by.get(("plain", batch, dataset))
+        if name == "plain" or base is None or "round_tokens_per_s" not in row:
+            continue
+        spreads.setdefault((name, batch), []).extend(
+            a / b for a, b in zip(row["round_tokens_per_s"], base["round_tokens_per_s"]) if b)
+    if spreads:
+        lines += ["", "Round-by-round x plain, lowest to highest over rounds and datasets: "
+                  + "; ".join(f"{name} batch {batch} {min(v):.2f}-{max(v):.2f}"
+                              for (name, batch), v in sorted(spreads.items()))]
     return lines
 
 

@@ -3,7 +3,10 @@
 Per method one in-process vLLM engine is started with the same settings (dtype, context
 length, batch size); each dataset is generated as one batch and the engine's counters
 are read before and after, so every number comes from the same run. Greedy outputs of
-every method are compared with plain decoding token by token.
+every method are compared with plain decoding token by token. The batch sweep keeps its
+methods' engines alive together and lets them take turns, round after round
+(:func:`run_engines_interleaved`): its ratios to plain decoding are what speed goals
+are judged by, and this machine's speed drifts more than the differences measured.
 """
 
 from __future__ import annotations
@@ -11,8 +14,10 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -62,6 +67,9 @@ class BenchConfig:
     batch_sizes: list[int] = field(default_factory=list)
     batch_methods: list[str] = field(default_factory=lambda: ["plain", "ngram", "eagle3",
                                                               "graft", "graft_auto"])
+    #: the sweep's engines run interleaved, each dataset this many times per engine
+    #: (:func:`run_engines_interleaved`)
+    batch_rounds: int = 3
 
 
 def load_dataset(name: str, tokenizer, cache_dir: Path, limit: int) -> list[datasets.Prompt]:
@@ -129,47 +137,186 @@ def suffix_available() -> bool:
     return importlib.util.find_spec("arctic_inference") is not None
 
 
+def engine_warmup_prompts(candidates: list[list[int]], prompt_ids: dict[str, list],
+                          max_model_len: int, max_tokens: int) -> list[list[int]]:
+    """As many warm-up prompts as the largest dataset has, each cut to fit the engine's
+    ``max_model_len`` with ``max_tokens`` generated: a ShareGPT prompt longer than the
+    datasets' is cut, not dropped (dropping them left engines sized for short-prompt
+    datasets with no warm-up at all)."""
+    fits = max_model_len - max_tokens - 1
+    if fits < 1:
+        return []
+    return [ids[:fits] for ids in candidates][:max(len(p) for p in prompt_ids.values())]
+
+
+def engine_job(config: BenchConfig, spec: dict | None, prompt_ids: dict[str, list],
+               max_model_len: int) -> dict:
+    """What one benchmark engine is given (see :mod:`vllm_graft.bench.worker`)."""
+    return {
+        "target": config.target, "spec": spec, "max_tokens": config.max_tokens,
+        "engine": {"dtype": config.dtype, "max_model_len": max_model_len,
+                   "max_num_seqs": config.max_num_seqs},
+        "warmup": engine_warmup_prompts(config.engine_warmup, prompt_ids, max_model_len,
+                                        config.max_tokens),
+        "warmup_tokens": min(ENGINE_WARMUP_TOKENS, config.max_tokens),
+        "datasets": prompt_ids}
+
+
+def _worker_env() -> dict:
+    return {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 def run_engine(config: BenchConfig, spec: dict | None, prompt_ids: dict[str, list],
                max_model_len: int, label: str) -> dict:
     """One method's engine in its own process (see :mod:`vllm_graft.bench.worker`)."""
     jobs = config.out / "jobs"
     jobs.mkdir(parents=True, exist_ok=True)
     job, result, log = (jobs / f"{label}.{ext}" for ext in ("job.json", "result.json", "log"))
-    warmup = [ids for ids in config.engine_warmup if len(ids) + config.max_tokens
-              < max_model_len][:max(len(p) for p in prompt_ids.values())]
-    description = json.dumps({
-        "target": config.target, "spec": spec, "max_tokens": config.max_tokens,
-        "engine": {"dtype": config.dtype, "max_model_len": max_model_len,
-                   "max_num_seqs": config.max_num_seqs},
-        "warmup": warmup, "warmup_tokens": min(ENGINE_WARMUP_TOKENS, config.max_tokens),
-        "datasets": prompt_ids})
+    description = json.dumps(engine_job(config, spec, prompt_ids, max_model_len))
     # an interrupted run resumes: a finished engine with the very same job is reused
     if result.is_file() and job.is_file() and job.read_text() == description:
         return json.loads(result.read_text())
     result.unlink(missing_ok=True)
     job.write_text(description)
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     with open(log, "w") as f:
         proc = subprocess.run([sys.executable, "-m", "vllm_graft.bench.worker", str(job),
-                               str(result)], stdout=f, stderr=subprocess.STDOUT, env=env)
+                               str(result)], stdout=f, stderr=subprocess.STDOUT,
+                              env=_worker_env())
     if proc.returncode != 0:
         tail = log.read_text()[-3000:]
         raise RuntimeError(f"benchmark engine {label!r} failed (log {log}):\n{tail}")
     return json.loads(result.read_text())
 
 
+class _ServedEngine:
+    """One method's engine kept alive in its own process (the worker's ``--serve``
+    mode): commands go to its standard input, replies come back on a pipe of their
+    own (the engine's logs go to its log file)."""
+
+    def __init__(self, job: dict, jobs: Path, label: str):
+        self.label, self.log = label, jobs / f"{label}.log"
+        path = jobs / f"{label}.job.json"
+        path.write_text(json.dumps(job))
+        read_end, write_end = os.pipe()
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "vllm_graft.bench.worker", "--serve", str(path),
+                 str(write_end)], stdin=subprocess.PIPE, stdout=log,
+                stderr=subprocess.STDOUT, env=_worker_env(), pass_fds=(write_end,),
+                text=True)
+        os.close(write_end)  # the worker holds the only writer: its exit ends the pipe
+        self.replies = os.fdopen(read_end)
+
+    def receive(self) -> dict:
+        line = self.replies.readline()
+        if not line:
+            self.proc.wait()
+            tail = self.log.read_text()[-3000:]
+            raise RuntimeError(f"benchmark engine {self.label!r} exited with "
+                               f"{self.proc.returncode} (log {self.log}):\n{tail}")
+        return json.loads(line)
+
+    def run(self, dataset: str) -> dict:
+        self.proc.stdin.write(json.dumps({"dataset": dataset}) + "\n")
+        self.proc.stdin.flush()
+        return self.receive()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"stop": True}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=120)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.replies.close()
+
+
+def run_engines_interleaved(config: BenchConfig, specs: dict[str, dict | None],
+                            prompt_ids: dict[str, list], max_model_len: int,
+                            rounds: int) -> dict[str, dict]:
+    """Every engine of ``specs`` (label -> speculative config) alive at once, each
+    dataset generated by one engine after another, ``rounds`` times, the order rotated
+    each round; only one engine works at a time. Each engine's time for a dataset is
+    the median of its rounds, so the machine's drift (this CPU's speed moves by 10-20 %
+    over minutes) falls on every method alike instead of on whichever ran then. Greedy
+    output must be the same every round: ``rounds_identical`` counts the requests
+    whose later rounds repeated the first."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    jobs = config.out / "jobs"
+    jobs.mkdir(parents=True, exist_ok=True)
+    labels = list(specs)
+    engines: dict[str, _ServedEngine] = {}
+    started = time.time()
+    try:
+        for label in labels:  # one at a time: start-ups do not compete for the cores
+            engines[label] = _ServedEngine(
+                engine_job(config, specs[label], prompt_ids, max_model_len), jobs, label)
+            engines[label].receive()  # ready: loaded and warmed up
+        runs: dict[tuple[str, str], list[dict]] = {}
+        with tqdm(total=rounds * len(prompt_ids) * len(labels), desc="interleaved",
+                  unit="run") as bar:
+            for r in range(rounds):
+                order = labels[r % len(labels):] + labels[:r % len(labels)]
+                for dataset in prompt_ids:
+                    for label in order:
+                        runs.setdefault((label, dataset), []).append(
+                            engines[label].run(dataset))
+                        bar.update()
+    finally:
+        for served in engines.values():
+            served.close()
+    wall = time.time() - started
+    out = {}
+    for label in labels:
+        datasets_out = {}
+        for dataset in prompt_ids:
+            first, *later = runs[(label, dataset)]
+            seconds = [run["seconds"] for run in runs[(label, dataset)]]
+            datasets_out[dataset] = {
+                **first, "seconds": statistics.median(seconds), "round_seconds": seconds,
+                "rounds_identical": sum(
+                    all(run["tokens"][i] == tokens for run in later)
+                    for i, tokens in enumerate(first["tokens"]))}
+        out[label] = {"datasets": datasets_out, "wall_seconds": wall}
+        (jobs / f"{label}.result.json").write_text(json.dumps(out[label]))
+    return out
+
+
+def method_spec(config: BenchConfig, method: Method, extra_graft: dict | None = None
+                ) -> dict | None:
+    """The speculative config of ``method`` in this run (None: plain decoding)."""
+    spec = method.speculative_config(config.head, config.warmup, config.calibration,
+                                     config.drafter, config.tail_calibration,
+                                     config.dflash, config.dflash_calibration)
+    if spec is not None and extra_graft and method.kind == "graft":
+        spec["graft"].update(extra_graft)
+        spec["graft"] = {k: v for k, v in spec["graft"].items() if v is not None}
+    return spec
+
+
 def run_methods(config: BenchConfig, prompt_ids: dict[str, list], method_list,
-                max_model_len: int, extra_graft: dict | None = None, label: str = ""):
+                max_model_len: int, extra_graft: dict | None = None, label: str = "",
+                rounds: int | None = None):
+    """Rows and greedy outputs of every method. One engine after another, or with
+    ``rounds``, all engines at once, interleaved (:func:`run_engines_interleaved`)."""
     rows, outputs = [], {}
-    for method in tqdm(method_list, desc=label or "methods", unit="method"):
-        spec = method.speculative_config(config.head, config.warmup, config.calibration,
-                                         config.drafter, config.tail_calibration,
-                                         config.dflash, config.dflash_calibration)
-        if spec is not None and extra_graft and method.kind == "graft":
-            spec["graft"].update(extra_graft)
-            spec["graft"] = {k: v for k, v in spec["graft"].items() if v is not None}
-        name = method.name + (f"-{label}" if label else "")
-        result = run_engine(config, spec, prompt_ids, max_model_len, name.replace(" ", "_"))
+    names = {method.name: (method.name + (f"-{label}" if label else "")).replace(" ", "_")
+             for method in method_list}
+    interleaved = None
+    if rounds is not None:
+        interleaved = run_engines_interleaved(
+            config, {names[m.name]: method_spec(config, m, extra_graft) for m in method_list},
+            prompt_ids, max_model_len, rounds)
+    for method in (method_list if interleaved else
+                   tqdm(method_list, desc=label or "methods", unit="method")):
+        if interleaved is not None:
+            result = interleaved[names[method.name]]
+        else:
+            result = run_engine(config, method_spec(config, method, extra_graft),
+                                prompt_ids, max_model_len, names[method.name])
         for dataset, data in result["datasets"].items():
             tokens = data["tokens"]
             outputs[(method.name, dataset)] = tokens
@@ -181,6 +328,11 @@ def run_methods(config: BenchConfig, prompt_ids: dict[str, list], method_list,
                 decoded = sum(len(t) for t in tokens) - len(tokens)
                 steps = max(sum(data["steps"]) - len(tokens), 1)
                 row["tokens_per_step"] = round(decoded / steps, 3)
+            if "round_seconds" in data:
+                generated = sum(len(t) for t in tokens)
+                row["round_tokens_per_s"] = [round(generated / max(x, 1e-9), 2)
+                                             for x in data["round_seconds"]]
+                row["rounds_identical"] = data["rounds_identical"]
             rows.append({"method": method.name, "dataset": dataset, "prompts": len(tokens),
                          **row})
         rows.append({"method": method.name, "dataset": "_engine",
@@ -237,7 +389,8 @@ def run_bench(config: BenchConfig) -> dict:
         subset = {name: ids[:max(batch, config.prompts)] for name, ids in prompt_ids.items()}
         sweep = replace(config, max_num_seqs=batch)
         found, sweep_outputs = run_methods(sweep, subset, swept, max_model_len,
-                                           label=f"batch{batch}")
+                                           label=f"batch{batch}",
+                                           rounds=config.batch_rounds)
         batch_rows += [{"batch": batch, **row} for row in found]
         for method, same in greedy_agreement(swept, sweep_outputs, subset).items():
             agreement[f"{method}@batch{batch}"] = same

@@ -6,11 +6,19 @@ engine with the job's speculative config, warms it up on the job's warm-up promp
 and writes per dataset the generated token ids, the engine's counter deltas and the
 wall time. Separate processes keep methods from sharing any process state
 (vLLM 0.32 cannot start an engine in a process where its ngram proposer was imported).
+
+``python -m vllm_graft.bench.worker --serve JOB.json REPLY_FD``: the same engine, kept
+alive: after its warm-up it writes ``{"ready": true}`` to the file descriptor REPLY_FD,
+then reads one JSON command a line from standard input, ``{"dataset": NAME}`` (generate
+that dataset once, reply with its result) or ``{"stop": true}``. The batch sweep keeps
+one such engine per method and runs them in turn, round after round, so that a drift in
+the machine's speed falls on every method alike.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -40,41 +48,85 @@ def generate_counting_steps(llm, prompts: list, params) -> tuple[list[list[int]]
     return [tokens[i] for i in ids], [steps[i] for i in ids]
 
 
-def run_job(job: dict) -> dict:
+def warm_up(llm, job: dict) -> None:
+    """Untimed: the first batches of a fresh engine pay one-off costs (kernel set-up for
+    each new shape, allocator growth, first-touch page faults) that a start-up profile
+    pays for a Graft engine but not for a plain one."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_graft.cli.common import counter_delta, counters, engine
+    if job.get("warmup"):
+        generate_counting_steps(llm, [TokensPrompt(prompt_token_ids=p)
+                                      for p in job["warmup"]],
+                                SamplingParams(temperature=0.0, ignore_eos=True,
+                                               max_tokens=job["warmup_tokens"]))
+
+
+def run_dataset(llm, job: dict, name: str) -> dict:
+    """Generate one dataset of the job as one batch: its tokens, steps per request, the
+    engine's counter deltas and the wall time."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_graft.cli.common import counter_delta, counters
 
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
+    # every timed run starts from a cold prefix cache: a later round of the same prompts
+    # would otherwise skip its prefill in engines that hit the cache (plain decoding and
+    # prompt lookup do; EAGLE-3 and Graft engines get no hits on vLLM 0.32 here), and a
+    # repeated round would measure that instead of decoding
+    llm.reset_prefix_cache()
+    before = counters(llm)
+    start = time.perf_counter()
+    tokens, steps = generate_counting_steps(
+        llm, [TokensPrompt(prompt_token_ids=p) for p in job["datasets"][name]], params)
+    seconds = time.perf_counter() - start
+    return {"tokens": tokens, "steps": steps,
+            "delta": counter_delta(counters(llm), before), "seconds": seconds}
+
+
+def run_job(job: dict) -> dict:
+    from vllm_graft.cli.common import engine
+
     out = {"datasets": {}}
     started = time.time()
     with engine(job["target"], job["spec"], **job["engine"]) as llm:
-        if job.get("warmup"):
-            # untimed: the first batches of a fresh engine pay one-off costs (kernel
-            # set-up for each new shape, allocator growth, first-touch page faults) that
-            # a start-up profile pays for a Graft engine but not for a plain one
-            generate_counting_steps(llm, [TokensPrompt(prompt_token_ids=p)
-                                          for p in job["warmup"]],
-                                    SamplingParams(temperature=0.0, ignore_eos=True,
-                                                   max_tokens=job["warmup_tokens"]))
-        for name, prompts in job["datasets"].items():
-            before = counters(llm)
-            start = time.perf_counter()
-            tokens, steps = generate_counting_steps(
-                llm, [TokensPrompt(prompt_token_ids=p) for p in prompts], params)
-            seconds = time.perf_counter() - start
-            out["datasets"][name] = {
-                "tokens": tokens, "steps": steps,
-                "delta": counter_delta(counters(llm), before), "seconds": seconds}
+        warm_up(llm, job)
+        for name in job["datasets"]:
+            out["datasets"][name] = run_dataset(llm, job, name)
     out["wall_seconds"] = time.time() - started
     return out
+
+
+def serve_job(job: dict, commands, replies) -> None:
+    """The engine of ``job`` kept alive, running the datasets it is told to (module
+    docstring)."""
+    from vllm_graft.cli.common import engine
+
+    def reply(message: dict) -> None:
+        replies.write(json.dumps(message) + "\n")
+        replies.flush()
+
+    with engine(job["target"], job["spec"], **job["engine"]) as llm:
+        warm_up(llm, job)
+        reply({"ready": True})
+        for line in commands:
+            command = json.loads(line)
+            if command.get("stop"):
+                break
+            reply(run_dataset(llm, job, command["dataset"]))
 
 
 def main() -> int:
     from vllm_graft.cli.main import cpu_runtime_defaults
 
     cpu_runtime_defaults()
+    if sys.argv[1] == "--serve":
+        with open(sys.argv[2]) as f:
+            job = json.load(f)
+        with os.fdopen(int(sys.argv[3]), "w") as replies:
+            serve_job(job, sys.stdin, replies)
+        return 0
     job_path, result_path = sys.argv[1], sys.argv[2]
     with open(job_path) as f:
         job = json.load(f)

@@ -80,11 +80,16 @@ def main(argv=None) -> int:
                    "(max_num_seqs), with max(batch, --prompts) prompts per dataset")
     p.add_argument("--batch-methods", nargs="+", choices=ALL_METHODS,
                    default=["plain", "ngram", "eagle3", "graft", "graft_auto"])
+    p.add_argument("--batch-rounds", type=int, default=3,
+                   help="the sweep's engines stay alive together and take turns, each "
+                   "dataset this many times per engine; times are medians over rounds")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--quick", action="store_true",
                    help="2 prompts of 3 short datasets, 24 tokens, no calibration")
     p.add_argument("--cache-dir", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.batch_rounds < 1:
+        p.error(f"--batch-rounds must be >= 1, got {args.batch_rounds}")
     cpu_runtime_defaults()
 
     from vllm_graft.bench.report import markdown, plots
@@ -166,6 +171,7 @@ def main(argv=None) -> int:
         dflash=str(dflash) if dflash is not None else None, dflash_block=args.dflash_block,
         dflash_calibration=dflash_calibration,
         batch_sizes=args.batch_sizes, batch_methods=args.batch_methods,
+        batch_rounds=args.batch_rounds,
         command="vllm-graft bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])))
     results = run_bench(config)
     write_results(results, args.out)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -181,10 +180,10 @@ class GraftTreeDrafting:
         self.plain_steps: dict[str, int] = {}
         self.max_model_len = vllm_config.model_config.max_model_len
         self.forward_timer = SpanTimer(device)  # head forwards (for the overhead metrics)
-        # drafter inputs deferred while the throughput guard decodes plainly, and the
-        # time spent feeding them (left out of the guard's measurement of the next step)
+        # drafter inputs deferred while the throughput guard decodes plainly; the tree
+        # step that feeds them carries their cost in the guard's measurement (the
+        # switch from a cheaper mode to trees costs that much)
         self.deferred: dict[str, DeferredRows] = {}
-        self.flush_seconds = 0.0
         # context retrieval: one index per request over its prompt and output, and,
         # when configured, one over recent outputs of finished requests
         self.context_config = config.context_settings  # resolved once: read per request, step
@@ -435,19 +434,14 @@ class GraftTreeDrafting:
             if now:
                 self._feed(runner, [s for s, _ in now], [i for _, i in now])
             return None
-        merged, flushed = [], False
+        merged = []
         for s, (tokens, positions, hidden) in zip(settled, inputs):
             entry = self.deferred.pop(req_ids[s.batch_row], None)
             if entry is not None:
                 entry.append(tokens, positions, hidden, self.MAX_DEFERRED + len(positions))
                 tokens, positions, hidden = entry.tokens, entry.positions, entry.hidden
-                flushed = True
             merged.append((tokens, positions, hidden))
-        start = time.perf_counter()
-        out = self._feed(runner, settled, merged)
-        if flushed:  # what the plain steps put off, paid now: not the next step's cost
-            self.flush_seconds += time.perf_counter() - start
-        return out
+        return self._feed(runner, settled, merged)
 
     def _feed(self, runner, settled: list[SettledRows], inputs: list[tuple]):
         """One drafter forward over each request's (tokens, positions, hidden) rows."""

@@ -461,18 +461,18 @@ def _observe_throughput(runner, scheduler_output, settled: list[SettledRows],
                         mode: StepMode) -> None:
     """Time this engine step (from the last step's drafting to this one's) and count its
     emitted tokens, for the throughput guard; steps with prefill chunks are skipped.
-    Feeding the drafter the positions deferred during chain and plain steps is left
-    out: that work belongs to those steps (it is what they put off)."""
+    A tree step after chain or plain steps includes feeding the drafter the positions
+    those steps deferred: switching to trees costs that, and a guard that did not see
+    it would switch to trees more often than they pay."""
     now = time.perf_counter()
     last, runner._graft_step_clock = getattr(runner, "_graft_step_clock", None), now
-    flushed, runner.drafter.flush_seconds = runner.drafter.flush_seconds, 0.0
     spec = scheduler_output.scheduled_spec_decode_tokens
     prefill = any(count - len(spec.get(req_id, ())) > 1
                   for req_id, count in scheduler_output.num_scheduled_tokens.items())
     if last is None or prefill or not settled:
         return
     tokens = sum(len(s.next_tokens) for s in settled)
-    runner.drafter.guard.observe(mode, len(settled), tokens, now - last - flushed)
+    runner.drafter.guard.observe(mode, len(settled), tokens, now - last)
 
 
 #: BuildStats fields summed into the counter of the same meaning
