@@ -305,18 +305,16 @@ def run_methods(config: BenchConfig, prompt_ids: dict[str, list], method_list,
     rows, outputs = [], {}
     names = {method.name: (method.name + (f"-{label}" if label else "")).replace(" ", "_")
              for method in method_list}
-    interleaved = None
-    if rounds is not None:
+    if rounds is None:  # lazily: each engine runs when its rows are reached
+        results = (run_engine(config, method_spec(config, m, extra_graft), prompt_ids,
+                              max_model_len, names[m.name])
+                   for m in tqdm(method_list, desc=label or "methods", unit="method"))
+    else:
         interleaved = run_engines_interleaved(
             config, {names[m.name]: method_spec(config, m, extra_graft) for m in method_list},
             prompt_ids, max_model_len, rounds)
-    for method in (method_list if interleaved else
-                   tqdm(method_list, desc=label or "methods", unit="method")):
-        if interleaved is not None:
-            result = interleaved[names[method.name]]
-        else:
-            result = run_engine(config, method_spec(config, method, extra_graft),
-                                prompt_ids, max_model_len, names[method.name])
+        results = (interleaved[names[m.name]] for m in method_list)
+    for method, result in zip(method_list, results):
         for dataset, data in result["datasets"].items():
             tokens = data["tokens"]
             outputs[(method.name, dataset)] = tokens
