@@ -53,3 +53,39 @@ def test_preemption_stays_lossless(tiny_models):
         stats = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     assert graft == plain
     assert stats.get("vllm:num_preemptions", 0) > 0, "the KV cache was not small enough"
+
+
+def test_prefix_cache_hits_stay_lossless(tiny_models):
+    """Requests sharing a long prefix reuse its cached KV under Graft as under plain
+    decoding, minus the one block EAGLE-style speculation drops from every hit (the
+    drafter's KV at a block's last position was computed with the token after it),
+    and the outputs after a hit are still plain decoding's."""
+    import random
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    block, followers = 32, 3
+    rng = random.Random(0)
+    shared = [rng.randrange(5, 2000) for _ in range(300)]
+    prompts = [TokensPrompt(prompt_token_ids=shared + [rng.randrange(5, 2000)
+                                                       for _ in range(20)])
+               for _ in range(1 + followers)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def generate(spec):
+        with running_llm(tiny_models.target, spec, block_size=block) as llm:
+            # the first request fills the cache, the others then share its prefix
+            outputs = [llm.generate(batch, params, use_tqdm=False)
+                       for batch in (prompts[:1], prompts[1:])]
+            stats = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+            metrics = spec_metrics(llm) if spec else {}
+        return [list(o.outputs[0].token_ids) for batch in outputs for o in batch], \
+            stats["vllm:prefix_cache_hits"], metrics
+
+    plain, plain_hits, _ = generate(None)
+    graft, graft_hits, metrics = generate(graft_spec(tiny_models.head, budget=60))
+    assert graft == plain
+    assert plain_hits == followers * (len(shared) // block) * block
+    assert graft_hits == plain_hits - followers * block
+    assert metrics["graft_verified_trees"] > 0

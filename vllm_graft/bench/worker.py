@@ -73,8 +73,9 @@ def run_dataset(llm, job: dict, name: str) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
     # every timed run starts from a cold prefix cache: a later round of the same prompts
     # would otherwise skip its prefill in engines that hit the cache (plain decoding and
-    # prompt lookup do; EAGLE-3 and Graft engines get no hits on vLLM 0.32 here), and a
-    # repeated round would measure that instead of decoding
+    # prompt lookup do; EAGLE-3 and Graft engines drop one 128-token block from every
+    # hit, which leaves nothing of these short prompts), and a repeated round would
+    # measure that instead of decoding
     llm.reset_prefix_cache()
     before = counters(llm)
     start = time.perf_counter()
