@@ -74,7 +74,7 @@ def test_deferred_rows_stay_contiguous_and_bounded():
 
     from vllm_graft.vllm.proposer import DeferredRows
 
-    rows = DeferredRows([], [], None)
+    rows = DeferredRows([], [])
     rows.append([10, 11], [5, 6], torch.tensor([[5.0], [6.0]]), limit=4)
     rows.append([12], [7], torch.tensor([[7.0]]), limit=4)
     assert rows.positions == [5, 6, 7] and rows.tokens == [10, 11, 12]
@@ -85,9 +85,38 @@ def test_deferred_rows_stay_contiguous_and_bounded():
     assert rows.positions == [6, 7, 8, 9] and rows.hidden.flatten().tolist()[0] == 6.0
     rows.append([30], [12], torch.tensor([[12.0]]), limit=4)  # a gap: start again
     assert rows.positions == [12] and rows.tokens == [30] and rows.hidden.numel() == 1
-    untokened = DeferredRows([], [], None)  # a draft model has no hidden input
+    untokened = DeferredRows([], [])  # a draft model has no hidden input
     untokened.append([1, 2], [0, 1], None, limit=8)
     assert untokened.hidden is None and untokened.positions == [0, 1]
+
+
+def test_deferred_rows_match_a_plain_list_of_rows():
+    """Random appends (steps of one or more rows, re-fed positions, gaps, overflow):
+    the chunked rows always equal a row-by-row reference of the same rules."""
+    import random
+
+    import torch
+
+    from vllm_graft.vllm.proposer import DeferredRows
+
+    rng = random.Random(0)
+    rows, reference, next_position = DeferredRows([], []), {}, 0
+    for _ in range(300):
+        start = max(next_position + rng.choice([0, 0, 0, -1, -2, 3]), 0)
+        count = rng.choice([1, 1, 1, 2, 5])
+        positions = list(range(start, start + count))
+        rows.append([p + 100 for p in positions], positions,
+                    torch.tensor([[float(p), p + 0.5] for p in positions]), limit=16)
+        if start - 1 not in reference:
+            reference = {}
+        reference = {p: v for p, v in reference.items() if p < start}
+        reference.update({p: [float(p), p + 0.5] for p in positions})
+        reference = dict(sorted(reference.items())[-16:])
+        next_position = start + count
+        assert rows.positions == list(reference)
+        assert rows.tokens == [p + 100 for p in reference]
+        assert rows.hidden.tolist() == list(reference.values())
+        assert len(rows.chunks) <= 16
 
 
 def test_a_perfect_drafter_keeps_whole_tail_chains(tiny_models, plain_outputs):

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from tests.vllm.conftest import graft_spec, running_llm, spec_metrics
 
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n", "for i in range(10):\n",
@@ -41,32 +43,43 @@ def _params():
     ]
 
 
-def _run(tiny_models, spec):
+def _run(tiny_models, spec, alternate_modes=False):
+    from tests.vllm.test_draft_model_drafter import install_alternating_guard
+
     with running_llm(tiny_models.target, spec) as llm:
+        if alternate_modes:
+            llm.collective_rpc(install_alternating_guard)
         outputs = llm.generate(PROMPTS, _params(), use_tqdm=False)
         metrics = spec_metrics(llm) if spec else {}
     return outputs, metrics
 
 
-def test_features_match_plain_decoding_in_a_mixed_batch(tiny_models):
+@pytest.mark.parametrize("alternate_modes", [False, True], ids=["trees", "trees-and-plain"])
+def test_features_match_plain_decoding_in_a_mixed_batch(tiny_models, alternate_modes):
+    """``trees-and-plain``: the throughput guard's plain steps between tree steps (their
+    own sampler path, the drafter's inputs deferred to the next tree step)."""
     plain, _ = _run(tiny_models, None)
-    graft, metrics = _run(tiny_models, graft_spec(tiny_models.head, budget=60))
+    graft, metrics = _run(tiny_models, graft_spec(tiny_models.head, budget=60),
+                          alternate_modes)
     for prompt, p, g in zip(PROMPTS, plain, graft):
         assert list(g.outputs[0].token_ids) == list(p.outputs[0].token_ids), prompt
         assert g.outputs[0].text == p.outputs[0].text
     assert graft[7].outputs[0].text in ("yes", "no", "maybe")
 
     # logprobs: same top-3 tokens and values at every position
-    expected, got = plain[3].outputs[0].logprobs, graft[3].outputs[0].logprobs
-    assert len(got) == len(expected) == 24
-    for e, g in zip(expected, got):
-        assert set(e) == set(g)
-        for token, lp in e.items():
-            assert math.isclose(g[token].logprob, lp.logprob, abs_tol=1e-4)
+    for row in (3, 9):
+        expected, got = plain[row].outputs[0].logprobs, graft[row].outputs[0].logprobs
+        assert len(got) == len(expected) == 24
+        for e, g in zip(expected, got):
+            assert set(e) == set(g)
+            for token, lp in e.items():
+                assert math.isclose(g[token].logprob, lp.logprob, abs_tol=1e-4)
 
     # the tree requests really used trees while the others were decoded plainly
     assert metrics["graft_verified_trees"] > 0
     assert metrics["graft_accepted_retrieved"] + metrics["graft_accepted_draft"] > 0
+    if alternate_modes:
+        assert metrics["graft_guard_plain_steps"] > metrics["graft_guard_tree_steps"] > 0
 
 
 def test_seeded_sampling_reproduces_plain_decoding(tiny_models):

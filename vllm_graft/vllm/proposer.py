@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -83,11 +83,19 @@ class PendingTree:
 class DeferredRows:
     """Drafter inputs of positions settled while the throughput guard decoded plainly,
     kept until the next speculative step feeds them to the drafter in one forward.
-    Positions are contiguous and increasing (the catch-up attends causally)."""
+    Positions are contiguous and increasing (the catch-up attends causally).
+
+    The hidden inputs are kept as one chunk per step and joined only when fed: a plain
+    step costs a list append, not a copy of everything kept."""
 
     tokens: list[int]
     positions: list[int]
-    hidden: torch.Tensor | None  # [n, H] the drafter's hidden input (EAGLE)
+    chunks: list[torch.Tensor] = field(default_factory=list)  # [n_i, H] per append
+
+    @property
+    def hidden(self) -> torch.Tensor | None:
+        """``[len(positions), H]``: the kept positions' hidden inputs (None: none)."""
+        return torch.cat(self.chunks) if self.chunks else None
 
     def append(self, tokens: list[int], positions: list[int], hidden: torch.Tensor | None,
                limit: int) -> None:
@@ -97,12 +105,31 @@ class DeferredRows:
         keep = bisect.bisect_left(self.positions, start)  # the rows before this step's
         if keep and self.positions[keep - 1] != start - 1:
             keep = 0  # not contiguous: start again from here
-        self.tokens = (self.tokens[:keep] + tokens)[-limit:]
-        self.positions = (self.positions[:keep] + positions)[-limit:]
+        kept = len(self.positions)
+        self.tokens = self.tokens[:keep] + tokens
+        self.positions = self.positions[:keep] + positions
         if hidden is not None:
-            if self.hidden is not None and keep:
-                hidden = torch.cat([self.hidden[:keep], hidden])
-            self.hidden = hidden[-limit:]
+            if keep < kept:  # rows replaced or dropped: cut the chunks to the first keep
+                self.chunks = _drop_rows(self.chunks, kept - keep, from_end=True)
+            self.chunks.append(hidden)
+        overflow = len(self.positions) - limit
+        if overflow > 0:
+            self.tokens, self.positions = self.tokens[overflow:], self.positions[overflow:]
+            self.chunks = _drop_rows(self.chunks, overflow, from_end=False)
+
+
+def _drop_rows(chunks: list[torch.Tensor], rows: int, from_end: bool) -> list[torch.Tensor]:
+    """``chunks`` without ``rows`` rows of their concatenation, taken from its end or
+    its start; only the chunks that lose rows are touched."""
+    chunks = list(reversed(chunks)) if from_end else list(chunks)
+    while rows > 0 and chunks:
+        size = chunks[0].shape[0]
+        if size <= rows:
+            chunks.pop(0)
+        else:
+            chunks[0] = chunks[0][:size - rows] if from_end else chunks[0][rows:]
+        rows -= size
+    return chunks[::-1] if from_end else chunks
 
 
 @dataclass
@@ -411,23 +438,23 @@ class GraftTreeDrafting:
         speculative step, in the same forward; prefill chunks are fed at once. Returns
         None then."""
         per_request = [self._catch_up_inputs(s) for s in settled]
-        hidden_rows = None
+        hidden_rows: list[torch.Tensor | None] = [None] * len(settled)
         if self.USES_HIDDEN:
             rows = torch.tensor([r for s in settled for r in s.rows], dtype=torch.long,
                                 device=self.device)
             target_hidden = torch.cat([h[rows] for h in aux_hidden_states], dim=-1) \
                 if self.eagle3_use_aux_hidden_state else aux_hidden_states[-1][rows]
-            hidden_rows = self.model.combine_hidden_states(target_hidden).split(
-                [len(s.rows) for s in settled])
-        inputs = [(tokens, positions, None if hidden_rows is None else hidden_rows[i])
-                  for i, (tokens, positions) in enumerate(per_request)]
+            hidden_rows = list(self.model.combine_hidden_states(target_hidden).split(
+                [len(s.rows) for s in settled]))
+        inputs = [(tokens, positions, hidden)
+                  for (tokens, positions), hidden in zip(per_request, hidden_rows)]
         req_ids = runner.input_batch.req_ids
         if defer:
             now = []
             for s, (tokens, positions, hidden) in zip(settled, inputs):
                 if len(s.rows) == 1:  # a decode step: wait for the next speculative one
                     entry = self.deferred.setdefault(req_ids[s.batch_row],
-                                                     DeferredRows([], [], None))
+                                                     DeferredRows([], []))
                     entry.append(tokens, positions, hidden, self.MAX_DEFERRED)
                 else:
                     now.append((s, (tokens, positions, hidden)))

@@ -204,6 +204,14 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
     starts = torch.cumsum(num_sampled, 0) - num_sampled  # first logits row per request
     batch = num_sampled.numel()
     trees = step.trees if step is not None else []
+    if not trees and runner.drafter.mode is StepMode.PLAIN:
+        # the guard's plain mode: no trees, nothing to teach the matrix, so this is
+        # plain decoding's one sampler call, on the logits as they are when no request
+        # carried drafts
+        rows = logits if logits.shape[0] == batch else logits[starts]
+        output = runner.sampler(logits=rows, sampling_metadata=sampling_metadata)
+        runner._graft_sample_seconds = 0.0
+        return output
     host_tree = _batch_trees(trees, batch)
     tree = host_tree.to(device)
     row_topk = None
