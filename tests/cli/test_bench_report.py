@@ -61,7 +61,7 @@ def test_interleaved_rounds_are_reported_with_their_paired_spread():
     lines = "\n".join(batch_section(results([], [plain, graft])))
     assert "ran each dataset 3 times" in lines
     assert "for 7 / 8 requests" in lines  # one Graft request changed in a later round
-    assert "graft_auto batch 8 0.90-1.10" in lines  # round 2 slower than its plain round
+    assert "graft_auto batch 8 0.90-1.10 (median 1.10)" in lines  # round 2 slower than plain's
     assert "ran each dataset" not in "\n".join(batch_section(results([], [
         row("plain", "a", 1.0, 1.0, tps=30.0, batch=8)])))
 

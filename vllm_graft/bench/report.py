@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -260,8 +261,10 @@ def rounds_lines(by: dict) -> list[str]:
         spreads.setdefault((name, batch), []).extend(
             a / b for a, b in zip(row["round_tokens_per_s"], base["round_tokens_per_s"]) if b)
     if spreads:
-        lines += ["", "Round-by-round x plain, lowest to highest over rounds and datasets: "
-                  + "; ".join(f"{name} batch {batch} {min(v):.2f}-{max(v):.2f}"
+        lines += ["", "Round-by-round x plain (each round against plain's round on the same "
+                  "dataset), lowest to highest over rounds and datasets, and the median: "
+                  + "; ".join(f"{name} batch {batch} {min(v):.2f}-{max(v):.2f} "
+                              f"(median {statistics.median(v):.2f})"
                               for (name, batch), v in sorted(spreads.items()))]
     return lines
 
