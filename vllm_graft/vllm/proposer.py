@@ -121,15 +121,15 @@ class DeferredRows:
 def _drop_rows(chunks: list[torch.Tensor], rows: int, from_end: bool) -> list[torch.Tensor]:
     """``chunks`` without ``rows`` rows of their concatenation, taken from its end or
     its start; only the chunks that lose rows are touched."""
-    chunks = list(reversed(chunks)) if from_end else list(chunks)
+    chunks, edge = list(chunks), -1 if from_end else 0
     while rows > 0 and chunks:
-        size = chunks[0].shape[0]
+        size = chunks[edge].shape[0]
         if size <= rows:
-            chunks.pop(0)
+            chunks.pop(edge)
         else:
-            chunks[0] = chunks[0][:size - rows] if from_end else chunks[0][rows:]
+            chunks[edge] = chunks[edge][:size - rows] if from_end else chunks[edge][rows:]
         rows -= size
-    return chunks[::-1] if from_end else chunks
+    return chunks
 
 
 @dataclass
