@@ -63,6 +63,11 @@ def spec_metrics(llm) -> dict:
     return counters(llm)
 
 
+def engine_stats(llm) -> dict:
+    """Every metric of the engine by its vLLM name (counters and gauges: their value)."""
+    return {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+
+
 def mean_accepted(metrics: dict) -> float:
     drafts = metrics.get("spec_decode_num_drafts") or 0
     return 1 + metrics.get("spec_decode_num_accepted_tokens", 0) / drafts if drafts else 1.0

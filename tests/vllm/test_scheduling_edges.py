@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm.conftest import graft_spec, running_llm, spec_metrics
+from tests.vllm.conftest import engine_stats, graft_spec, running_llm, spec_metrics
 
 PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the nth Fibonacci number.\"\"\"\n" * 4,
            "import os\n", "for i in range(10):\n    print(i)\n" * 6, "class A:\n",
@@ -50,7 +50,7 @@ def test_preemption_stays_lossless(tiny_models):
                      **engine) as llm:
         graft = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params,
                                                                      use_tqdm=False)]
-        stats = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+        stats = engine_stats(llm)
     assert graft == plain
     assert stats.get("vllm:num_preemptions", 0) > 0, "the KV cache was not small enough"
 
@@ -78,7 +78,7 @@ def test_prefix_cache_hits_stay_lossless(tiny_models):
             # the first request fills the cache, the others then share its prefix
             outputs = [llm.generate(batch, params, use_tqdm=False)
                        for batch in (prompts[:1], prompts[1:])]
-            stats = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+            stats = engine_stats(llm)
             metrics = spec_metrics(llm) if spec else {}
         return [list(o.outputs[0].token_ids) for batch in outputs for o in batch], \
             stats["vllm:prefix_cache_hits"], metrics
