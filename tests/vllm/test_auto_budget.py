@@ -130,3 +130,23 @@ def test_copy_chains_alone_are_lossless(tiny_models, plain_outputs, tmp_path, mo
     assert metrics["graft_accepted_retrieved"] > 0, metrics
     pvalues = distribution_pvalues(plain, got)
     assert min(pvalues.values()) > 1e-4, pvalues
+
+
+def test_guard_times_a_step_without_drafts_as_plain_decoding(tiny_models, tmp_path,
+                                                             monkeypatch):
+    """A request whose options forbid trees (penalties) never drafts: whatever mode the
+    throughput guard picks, every step it times is plain decoding and is counted so."""
+    from vllm import SamplingParams
+
+    monkeypatch.setenv("VLLM_GRAFT_CACHE", str(tmp_path))
+    params = SamplingParams(temperature=0.0, max_tokens=32, repetition_penalty=1.2,
+                            ignore_eos=True)
+    with running_llm(tiny_models.target) as llm:
+        plain = llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    with running_llm(tiny_models.target, graft_spec(tiny_models.head, budget="auto")) as llm:
+        graft = llm.generate(PROMPTS[:1], params, use_tqdm=False)
+        metrics = spec_metrics(llm)
+    assert graft[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert metrics["graft_guard_plain_steps"] >= 30
+    assert not metrics.get("graft_guard_tree_steps") and not metrics.get("graft_guard_chain_steps")
+    assert not metrics.get("graft_trees_built") and not metrics.get("graft_chains_built")

@@ -100,3 +100,37 @@ def test_seeded_sampling_reproduces_plain_decoding(tiny_models):
     assert tokens(graft) == tokens(plain)
     assert tokens(again) == tokens(plain)  # the matrix changed, the samples did not
     assert metrics["spec_decode_num_accepted_tokens"] > 40
+
+
+def test_requests_decoded_plainly_beside_trees_wait_for_the_drafter(tiny_models):
+    """A request that may not draft (penalties) keeps its drafter rows for later while
+    the others draft trees: the drafter forward of a tree step carries only the rows of
+    the requests drafting in it. The min_tokens request waits, then drafts with every
+    row it kept, and both decode as plain decoding does."""
+    from vllm import SamplingParams
+
+    from vllm_graft.vllm.rpc import request_state_counts
+
+    models = tiny_models
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3,
+                             ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=24, min_tokens=12, ignore_eos=True)]
+    prompts = PROMPTS[:3]
+    with running_llm(models.target) as llm:
+        plain = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params,
+                                                                     use_tqdm=False)]
+    with running_llm(models.target, graft_spec(models.head, budget=16)) as llm:
+        engine, waiting = llm.llm_engine, []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            engine.add_request(f"r{i}", prompt, p)
+        tokens = {f"r{i}": [] for i in range(3)}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                tokens[output.request_id] = list(output.outputs[0].token_ids)
+            waiting.append(llm.collective_rpc(request_state_counts)[0]["deferred_rows"])
+        metrics = spec_metrics(llm)
+    assert [tokens[f"r{i}"] for i in range(3)] == plain
+    assert metrics["graft_verified_trees"] > 0
+    # the penalised request waits throughout, the min_tokens one only at first
+    assert 2 in waiting[1:6] and waiting.count(1) > 5, waiting

@@ -121,6 +121,10 @@ def summarize(method: Method, delta: dict, tokens: int, seconds: float,
             if seconds else None
         row["stages"] = {k.removeprefix("graft_stage_"): v for k, v in delta.items()
                          if k.startswith("graft_stage_") and v}
+        # budget "auto": the engine steps the throughput guard ran in each mode
+        row["guard_steps"] = {k.removeprefix("graft_guard_").removesuffix("_steps"): v
+                              for k, v in delta.items()
+                              if k.startswith("graft_guard_") and k.endswith("_steps") and v}
     elif method.name == "eagle3":  # vLLM's chain: one drafter forward per draft token
         row["draft_forwards_per_step"] = float(chain_tokens)
     elif method.name == "dflash":  # one forward drafts the whole block

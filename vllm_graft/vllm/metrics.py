@@ -50,7 +50,7 @@ GRAFT_COUNTERS = {
     "guard_chain_steps": "Steps the throughput guard ran with copy chains (copied context "
                          "continued by the successor matrix, no drafter).",
     "guard_plain_steps": "Steps the throughput guard decoded plainly (the other modes "
-                         "measured slower, or being re-measured).",
+                         "measured slower, or no request was ready to draft).",
     "chains_built": "Copy chains proposed (the throughput guard's chain mode).",
     "chain_nodes": "Nodes of copy chains (the root excluded).",
     "replaced_nodes": "Low-confidence drafted nodes that fixed-shape trees replaced "

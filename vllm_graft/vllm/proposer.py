@@ -81,8 +81,9 @@ class PendingTree:
 
 @dataclass
 class DeferredRows:
-    """Drafter inputs of positions settled while the throughput guard decoded plainly,
-    kept until the next speculative step feeds them to the drafter in one forward.
+    """Drafter inputs of positions a request settled without drafting (decoded plainly
+    or by a copy chain), kept until its next tree feeds them to the drafter in one
+    forward.
     Positions are contiguous and increasing (the catch-up attends causally).
 
     The hidden inputs are kept as one chunk per step and joined only when fed: a plain
@@ -201,6 +202,9 @@ class GraftTreeDrafting:
         # ``mode`` is the guard's choice for the step being scheduled
         self.guard: ThroughputGuard | None = None
         self.mode = StepMode.TREE
+        # what the last proposals really were: a tree step in which no request drafted
+        # (each waits after a tree cut to nothing) was plain decoding, and is timed so
+        self.ran_mode = StepMode.PLAIN
         self.chain_tokens, self.chain_walk = config.chain_tokens, config.chain_walk
         self.last_chains: tuple[int, int] | None = None  # chains built, their nodes
         # requests whose last tree was cut to nothing: steps since, while they skip drafting
@@ -282,14 +286,17 @@ class GraftTreeDrafting:
         req_ids = runner.input_batch.req_ids
         drafts: list[list[int]] = [[] for _ in req_ids]
         self.last_build, self.last_chains, self.last_choice = None, None, None
+        self.ran_mode = StepMode.PLAIN
         if not settled:
             return drafts
         uses_drafter = self.settings.config.variant.drafts  # retrieval_only does not
-        catchup = None
-        if uses_drafter:
-            catchup = self._catch_up(runner, settled, aux_hidden_states,
-                                     defer=self.mode is not StepMode.TREE)
         drafting = [i for i, s in enumerate(settled) if s.drafts]
+        catchup = None
+        if uses_drafter:  # only a request about to draft a tree needs its rows fed now
+            feeds = self.mode is StepMode.TREE
+            catchup = self._catch_up(runner, settled, aux_hidden_states,
+                                     [feeds and s.drafts for s in settled])
+        self.ran_mode = self.mode if drafting else StepMode.PLAIN
         if not drafting:
             return drafts
         roots = torch.tensor([settled[i].next_tokens[-1] for i in drafting], dtype=torch.long)
@@ -297,8 +304,8 @@ class GraftTreeDrafting:
             return self._propose_chains(runner, settled, drafting, roots, drafts)
         expander = None
         if uses_drafter:
-            last_rows, last_hidden, next_hidden = catchup
-            index = torch.tensor(drafting, dtype=torch.long)
+            fed, last_rows, last_hidden, next_hidden = catchup
+            index = torch.tensor([fed[i] for i in drafting], dtype=torch.long)
             root_positions = torch.tensor(
                 [settled[i].first_position + len(settled[i].rows) for i in drafting])
             batch_rows = torch.tensor([settled[i].batch_row for i in drafting],
@@ -423,20 +430,20 @@ class GraftTreeDrafting:
         """Manager block ids of the persistent batch (the target's and drafter's group)."""
         return self._kv_layout(runner).block_table(runner)
 
-    #: positions per request whose drafter inputs wait while the guard decodes plainly;
+    #: positions per request whose drafter inputs wait while it does not draft;
     #: older ones are dropped (the drafter's cache keeps stale entries there, which can
     #: only cost acceptance, never correctness)
     MAX_DEFERRED = 64
 
     def _catch_up(self, runner, settled: list[SettledRows],
-                  aux_hidden_states: list[torch.Tensor], defer: bool = False):
-        """Causal drafter forward over every settled position; returns (last row of each
-        request in the catch-up batch, hidden for logits, hidden for the next step).
-
-        ``defer`` (the throughput guard's chain and plain modes, no drafter): decode
-        rows are not fed now but kept, and fed before the request's rows of the next
-        speculative step, in the same forward; prefill chunks are fed at once. Returns
-        None then."""
+                  aux_hidden_states: list[torch.Tensor], feeds: list[bool]):
+        """Causal drafter forward over the settled positions of the requests that
+        ``feeds`` names (each with the rows kept for it since its last feed) and over
+        prefill chunks; the decode rows of every other request are kept for later
+        (:class:`DeferredRows`): a request decoded plainly, or by a copy chain, costs no
+        drafter forward. Returns None when nothing was fed, else (the catch-up batch
+        index of each fed request by its index in ``settled``, last row of each fed
+        request in the catch-up batch, hidden for logits, hidden for the next step)."""
         per_request = [self._catch_up_inputs(s) for s in settled]
         hidden_rows: list[torch.Tensor | None] = [None] * len(settled)
         if self.USES_HIDDEN:
@@ -446,29 +453,26 @@ class GraftTreeDrafting:
                 if self.eagle3_use_aux_hidden_state else aux_hidden_states[-1][rows]
             hidden_rows = list(self.model.combine_hidden_states(target_hidden).split(
                 [len(s.rows) for s in settled]))
-        inputs = [(tokens, positions, hidden)
-                  for (tokens, positions), hidden in zip(per_request, hidden_rows)]
         req_ids = runner.input_batch.req_ids
-        if defer:
-            now = []
-            for s, (tokens, positions, hidden) in zip(settled, inputs):
-                if len(s.rows) == 1:  # a decode step: wait for the next speculative one
-                    entry = self.deferred.setdefault(req_ids[s.batch_row],
-                                                     DeferredRows([], []))
-                    entry.append(tokens, positions, hidden, self.MAX_DEFERRED)
-                else:
-                    now.append((s, (tokens, positions, hidden)))
-            if now:
-                self._feed(runner, [s for s, _ in now], [i for _, i in now])
+        now: list[tuple[int, tuple]] = []  # (index in settled, rows fed now)
+        for i, (s, (tokens, positions), hidden) in enumerate(
+                zip(settled, per_request, hidden_rows)):
+            req_id = req_ids[s.batch_row]
+            if feeds[i]:
+                entry = self.deferred.pop(req_id, None)
+                if entry is not None:
+                    entry.append(tokens, positions, hidden, self.MAX_DEFERRED + len(positions))
+                    tokens, positions, hidden = entry.tokens, entry.positions, entry.hidden
+                now.append((i, (tokens, positions, hidden)))
+            elif len(s.rows) == 1:  # a decode step: wait for the request's next tree
+                self.deferred.setdefault(req_id, DeferredRows([], [])).append(
+                    tokens, positions, hidden, self.MAX_DEFERRED)
+            else:  # a prefill chunk is fed at once: the prompt's drafter KV stays whole
+                now.append((i, (tokens, positions, hidden)))
+        if not now:
             return None
-        merged = []
-        for s, (tokens, positions, hidden) in zip(settled, inputs):
-            entry = self.deferred.pop(req_ids[s.batch_row], None)
-            if entry is not None:
-                entry.append(tokens, positions, hidden, self.MAX_DEFERRED + len(positions))
-                tokens, positions, hidden = entry.tokens, entry.positions, entry.hidden
-            merged.append((tokens, positions, hidden))
-        return self._feed(runner, settled, merged)
+        fed = {i: k for k, (i, _) in enumerate(now)}
+        return (fed, *self._feed(runner, [settled[i] for i, _ in now], [x for _, x in now]))
 
     def _feed(self, runner, settled: list[SettledRows], inputs: list[tuple]):
         """One drafter forward over each request's (tokens, positions, hidden) rows."""

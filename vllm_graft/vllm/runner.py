@@ -419,12 +419,13 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
     proposer.forward_timer.take_seconds()  # spans of earlier steps (e.g. dummy runs)
     settled = settled_rows(runner, scheduler_output, sampled_token_ids, step)
     if proposer.guard is not None:  # this step's measurement first, then the next mode
-        _observe_throughput(runner, scheduler_output, settled, proposer.mode)
+        _observe_throughput(runner, scheduler_output, settled, proposer.ran_mode)
         # every rank must draft (or not) alike: the first rank's timing decides
         proposer.mode = agree(proposer.guard.choose(len(scheduler_output.num_scheduled_tokens)))
-        runner._graft_stats.counts[f"guard_{proposer.mode.value}_steps"] += 1
     _decide_drafting(runner, settled)
     drafts = proposer.propose_trees(runner, scheduler_output, settled, aux_hidden_states)
+    if proposer.guard is not None:
+        runner._graft_stats.counts[f"guard_{proposer.ran_mode.value}_steps"] += 1
     build = proposer.last_build
     stats: GraftStats = runner._graft_stats
     end = device_clock(runner.device)
