@@ -95,13 +95,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: Path, spec: dict | None, port: int, log: Path) -> subprocess.Popen:
+def start_server(model: Path, spec: dict | None, port: int, log: Path,
+                 onednn_primitive_cache: int | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "vllm_graft.cli.main", "serve", str(model), "--host",
            "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "2048",
            "--max-num-seqs", "32", "--seed", "0", "--enforce-eager"]
     if spec is not None:
         cmd += ["--speculative-config", json.dumps(spec)]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    if onednn_primitive_cache is not None:  # see scripts/heap_trace.py
+        env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(onednn_primitive_cache)
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
 
@@ -452,6 +455,8 @@ def main(argv=None) -> int:
     p.add_argument("--soak", action="store_true",
                    help="only the methods named, no plain run and no comparison (a long "
                         "run that watches memory)")
+    p.add_argument("--onednn-primitive-cache", type=int, help="ONEDNN_PRIMITIVE_CACHE_CAPACITY "
+                   "of the servers started (what it bounds: scripts/heap_trace.py)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--head", help="EAGLE-3 head (default: the committed one)")
     p.add_argument("--warmup", default=str(REPO / "bench/results/smollm2-135m/warmup.bin"))
@@ -495,7 +500,7 @@ def main(argv=None) -> int:
         (work / name).mkdir()
         log = work / name / "server.log"
         print(f"load test: {name}: starting the server", flush=True)
-        server = start_server(model, specs[name], port, log)
+        server = start_server(model, specs[name], port, log, args.onednn_primitive_cache)
         try:
             wait_ready(server, base, log)
             post(base, {"model": str(model), "prompt": "Hello", "max_tokens": 8})
