@@ -18,7 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -70,6 +70,12 @@ class BenchConfig:
     #: the sweep's engines run interleaved, each dataset this many times per engine
     #: (:func:`run_engines_interleaved`)
     batch_rounds: int = 3
+
+
+def config_default(name: str):
+    """The default of one :class:`BenchConfig` field (the CLI's defaults are these)."""
+    found = next(f for f in fields(BenchConfig) if f.name == name)
+    return found.default_factory() if found.default_factory is not MISSING else found.default
 
 
 def load_dataset(name: str, tokenizer, cache_dir: Path, limit: int) -> list[datasets.Prompt]:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from vllm_graft.assets.models import MODELS, prepare_model
 from vllm_graft.assets.pypi import default_cache_dir
+from vllm_graft.bench.runner import config_default
 
 ALL_METHODS = ["plain", "eagle3", "ngram", "suffix", "dense_tree", "prune_only",
                "retrieval_only", "graft_no_context", "graft", "graft_chain", "graft_auto",
@@ -52,10 +53,11 @@ def main(argv=None) -> int:
     p.add_argument("--methods", nargs="+", choices=ALL_METHODS,
                    default=[m for m in ALL_METHODS if m not in DIAGNOSTIC_METHODS])
     p.add_argument("--datasets", nargs="+", default=ALL_DATASETS)
-    p.add_argument("--prompts", type=int, default=10, help="prompts per dataset")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--budget", type=int, default=60)
-    p.add_argument("--chain-tokens", type=int, default=5,
+    p.add_argument("--prompts", type=int, default=config_default("prompts"),
+                   help="prompts per dataset")
+    p.add_argument("--max-tokens", type=int, default=config_default("max_tokens"))
+    p.add_argument("--budget", type=int, default=config_default("budget"))
+    p.add_argument("--chain-tokens", type=int, default=config_default("chain_tokens"),
                    help="draft tokens of the chain methods: vLLM's EAGLE-3 and ngram, "
                    "Graft-TAIL (tail)")
     p.add_argument("--warmup", help="successor matrix file (default: 5 warm-up rounds)")
@@ -65,7 +67,7 @@ def main(argv=None) -> int:
                    "--chain-tokens (default: fitted in this run when tail is benchmarked)")
     p.add_argument("--dflash", help="DFlash block drafter of the dflash / tail_dflash rows "
                    "(default: the committed one for the target; without one they are skipped)")
-    p.add_argument("--dflash-block", type=int, default=8,
+    p.add_argument("--dflash-block", type=int, default=config_default("dflash_block"),
                    help="block size of the DFlash rows (vLLM's num_speculative_tokens, "
                    "Graft-TAIL's budget)")
     p.add_argument("--dflash-calibration", help="Graft-TAIL calibration file for the DFlash "
@@ -74,16 +76,16 @@ def main(argv=None) -> int:
     p.add_argument("--draft-cost", type=float, default=0.1,
                    help="calibration: one draft step's cost relative to a verification")
     p.add_argument("--ablations", action="store_true")
-    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=config_default("max_num_seqs"))
     p.add_argument("--batch-sizes", type=int, nargs="*", default=[],
                    help="also run --batch-methods at each of these batch sizes "
                    "(max_num_seqs), with max(batch, --prompts) prompts per dataset")
     p.add_argument("--batch-methods", nargs="+", choices=ALL_METHODS,
-                   default=["plain", "ngram", "eagle3", "graft", "graft_auto"])
-    p.add_argument("--batch-rounds", type=int, default=3,
+                   default=config_default("batch_methods"))
+    p.add_argument("--batch-rounds", type=int, default=config_default("batch_rounds"),
                    help="the sweep's engines stay alive together and take turns, each "
                    "dataset this many times per engine; times are medians over rounds")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default=config_default("dtype"))
     p.add_argument("--quick", action="store_true",
                    help="2 prompts of 3 short datasets, 24 tokens, no calibration")
     p.add_argument("--cache-dir", type=Path, default=None)
