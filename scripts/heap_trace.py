@@ -91,7 +91,7 @@ def request_params(kind: dict, max_tokens: int):
     fields = {k: v for k, v in kind.items() if k != "structured_outputs"}
     if "structured_outputs" in kind:
         fields["structured_outputs"] = StructuredOutputsParams(**kind["structured_outputs"])
-    return SamplingParams(max_tokens=max_tokens, seed=None, **fields)
+    return SamplingParams(max_tokens=max_tokens, **fields)
 
 
 def one_round(llm, prompts: list[dict], rng: random.Random, round_index: int) -> int:

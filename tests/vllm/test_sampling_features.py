@@ -111,16 +111,15 @@ def test_requests_decoded_plainly_beside_trees_wait_for_the_drafter(tiny_models)
 
     from vllm_graft.vllm.rpc import request_state_counts
 
-    models = tiny_models
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3,
                              ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=24, min_tokens=12, ignore_eos=True)]
     prompts = PROMPTS[:3]
-    with running_llm(models.target) as llm:
+    with running_llm(tiny_models.target) as llm:
         plain = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params,
                                                                      use_tqdm=False)]
-    with running_llm(models.target, graft_spec(models.head, budget=16)) as llm:
+    with running_llm(tiny_models.target, graft_spec(tiny_models.head, budget=16)) as llm:
         engine, waiting = llm.llm_engine, []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             engine.add_request(f"r{i}", prompt, p)
