@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-WARMUP_S = 30  # memory samples before this are the warm-up
+WARMUP_S = 30  # default: memory samples before this are the warm-up
 STREAMS = {  # name -> (concurrency, request fields beyond prompt / max_tokens)
     "greedy": (14, {"temperature": 0.0}),
     "sampled": (8, {"temperature": 0.8, "top_p": 0.95}),
@@ -323,8 +323,7 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
-def summarize(run: MethodRun, reference: MethodRun | None) -> dict:
-    after = [mb for t, mb in run.memory if t >= WARMUP_S]
+def summarize(run: MethodRun, reference: MethodRun | None, warmup_s: float = WARMUP_S) -> dict:
     compared = identical = 0
     mismatches = []
     if reference is not None and reference is not run:
@@ -346,12 +345,19 @@ def summarize(run: MethodRun, reference: MethodRun | None) -> dict:
         "itl_ms_p50": _ms(percentile(run.itls, 50)), "itl_ms_p99": _ms(percentile(run.itls, 99)),
         "deterministic_compared": compared, "deterministic_identical": identical,
         "mismatches": mismatches,
-        "memory_mb_first": after[0] if after else None,
-        "memory_mb_last": after[-1] if after else None,
-        "memory_mb_max": max(after) if after else None,
-        "memory_mb_second_half_growth": second_half_growth(run.memory),
+        **memory_figures(run.memory, warmup_s),
         "memory_trace": run.memory,
     }
+
+
+def memory_figures(trace: list, warmup_s: float) -> dict:
+    """The report's resident-memory figures of one server's trace."""
+    after = [mb for t, mb in trace if t >= warmup_s]
+    return {"memory_mb_first": after[0] if after else None,
+            "memory_mb_last": after[-1] if after else None,
+            "memory_mb_max": max(after) if after else None,
+            "memory_mb_second_half_growth": second_half_growth(trace),
+            "memory_mb_per_min_second_half": second_half_slope(trace)}
 
 
 def second_half_growth(trace: list) -> float | None:
@@ -362,6 +368,25 @@ def second_half_growth(trace: list) -> float | None:
     end = trace[-1][0]
     middle = min(trace, key=lambda sample: abs(sample[0] - end / 2))
     return round(trace[-1][1] - middle[1], 1)
+
+
+def second_half_slope(trace: list) -> float | None:
+    """Least-squares slope of RSS over the second half of the load, MB per minute: a
+    leak's steady climb, read through the saw-tooth of periodic heap trims that a
+    difference of two single samples would mistake for growth or shrinkage."""
+    if len(trace) < 4:
+        return None
+    end = trace[-1][0]
+    half = [(t, mb) for t, mb in trace if t >= end / 2]
+    if len(half) < 2:
+        return None
+    mean_t = statistics.fmean(t for t, _ in half)
+    mean_mb = statistics.fmean(mb for _, mb in half)
+    spread = sum((t - mean_t) ** 2 for t, _ in half)
+    if spread == 0:
+        return None
+    slope = sum((t - mean_t) * (mb - mean_mb) for t, mb in half) / spread
+    return round(60 * slope, 2)
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -378,16 +403,18 @@ def render(out: Path) -> None:
     """report.md and load.png from load.json."""
     saved = json.loads((out / "load.json").read_text())
     setup, summaries = saved["setup"], saved["methods"]
-    for s in summaries:  # results saved before this figure existed
-        s.setdefault("memory_mb_second_half_growth", second_half_growth(s["memory_trace"]))
+    warmup_s = setup.get("warmup_s", WARMUP_S)
+    for s in summaries:  # from the trace: a new warm-up, or results older than a figure
+        s.update(memory_figures(s["memory_trace"], warmup_s))
     plain = next((s for s in summaries if s["method"] == "plain"), None)
     lines = [f"# Load test: {setup['model']}, {setup['duration_s']} s per method, "
              f"{setup['clients']} concurrent clients", "",
              f"Command: `{setup['command']}`", "",
              "| method | req/s | output tok/s | x plain | TTFT p50 / p99 ms | ITL p50 / p99 ms "
-             "| failed | deterministic identical to plain | RSS after warm-up, first -> last MB "
-             "| RSS growth, second half MB |",
-             "|---|---:|---:|---:|---|---|---:|---|---|---:|"]
+             "| failed | deterministic identical to plain "
+             f"| RSS after {warmup_s:g} s of warm-up, first -> last MB "
+             "| RSS growth, second half MB | RSS trend, second half MB/min |",
+             "|---|---:|---:|---:|---|---|---:|---|---|---:|---:|"]
     for s in summaries:
         ratio = (f"{s['output_tokens_per_s'] / plain['output_tokens_per_s']:.2f}"
                  if plain and plain["output_tokens_per_s"] else "")
@@ -397,7 +424,7 @@ def render(out: Path) -> None:
             f"| {s['method']} | {s['requests_per_s']} | {s['output_tokens_per_s']} | {ratio} | "
             f"{s['ttft_ms_p50']} / {s['ttft_ms_p99']} | {s['itl_ms_p50']} / {s['itl_ms_p99']} | "
             f"{s['failed']} | {same} | {s['memory_mb_first']} -> {s['memory_mb_last']} | "
-            f"{s['memory_mb_second_half_growth']} |")
+            f"{s['memory_mb_second_half_growth']} | {s['memory_mb_per_min_second_half']} |")
     lines += ["", "Traffic per method: " + ", ".join(
         f"{name} ({c} clients)" for name, (c, _) in STREAMS.items())
         + ", non-streaming greedy (1 client), streams hung up after 3-7 chunks (1 client). "
@@ -405,10 +432,10 @@ def render(out: Path) -> None:
         "greedy, greedy with penalties, structured output and non-streaming greedy "
         "requests, compared with plain decoding's answer to the same request.", ""]
     (out / "report.md").write_text("\n".join(lines) + "\n")
-    plot(out / "load.png", summaries)
+    plot(out / "load.png", summaries, warmup_s)
 
 
-def plot(path: Path, summaries: list[dict]) -> None:
+def plot(path: Path, summaries: list[dict], warmup_s: float = WARMUP_S) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -422,7 +449,7 @@ def plot(path: Path, summaries: list[dict]) -> None:
     for s in summaries:
         trace = s["memory_trace"]
         memory.plot([t for t, _ in trace], [mb for _, mb in trace], label=s["method"])
-    memory.axvline(WARMUP_S, color="grey", linestyle=":", linewidth=1)
+    memory.axvline(warmup_s, color="grey", linestyle=":", linewidth=1)
     memory.set_xlabel("seconds into the load")
     memory.set_ylabel("server resident memory (MB)")
     memory.set_title("memory (API server + engine + workers)")
@@ -457,6 +484,13 @@ def main(argv=None) -> int:
                         "run that watches memory)")
     p.add_argument("--onednn-primitive-cache", type=int, help="ONEDNN_PRIMITIVE_CACHE_CAPACITY "
                    "of the servers started (what it bounds: scripts/heap_trace.py)")
+    p.add_argument("--memory-warmup", type=float, metavar="S",
+                   help=f"seconds of load before the report's first memory figure (default "
+                        f"{WARMUP_S}; a long soak: until oneDNN's primitive cache is full); "
+                        f"with --report-only, renders saved results with this warm-up")
+    p.add_argument("--graft-heap-trim", type=float, metavar="S",
+                   help="graft.heap_trim_s of the Graft server (default: Graft's own; 0: "
+                        "no trims, as before that setting existed)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--head", help="EAGLE-3 head (default: the committed one)")
     p.add_argument("--warmup", default=str(REPO / "bench/results/smollm2-135m/warmup.bin"))
@@ -464,6 +498,10 @@ def main(argv=None) -> int:
                    default=str(REPO / "bench/results/smollm2-135m/calibration.json"))
     args = p.parse_args(argv)
     if args.report_only:
+        if args.memory_warmup is not None:
+            saved = json.loads((args.out / "load.json").read_text())
+            saved["setup"]["warmup_s"] = args.memory_warmup
+            (args.out / "load.json").write_text(json.dumps(saved, indent=1))
         render(args.out)
         print((args.out / "report.md").read_text())
         return 0
@@ -481,6 +519,8 @@ def main(argv=None) -> int:
     head = args.head or str(default_head(args.model))
     specs = method_specs(head, args.warmup if Path(args.warmup).is_file() else None,
                          args.calibration if Path(args.calibration).is_file() else None)
+    if args.graft_heap_trim is not None:
+        specs["graft"]["graft"]["heap_trim_s"] = args.graft_heap_trim
     named = [m for m in args.methods.split(",") if m]
     wanted = named if args.soak else [m for m in named if m != "plain"] + ["plain"]
     unknown = [m for m in wanted if m not in specs]
@@ -517,11 +557,12 @@ def main(argv=None) -> int:
               flush=True)
     reference = runs[-1] if not args.soak else None
     ordered = runs if args.soak else [runs[-1], *runs[:-1]]
-    summaries = [summarize(run, reference) for run in ordered]
+    warmup_s = WARMUP_S if args.memory_warmup is None else args.memory_warmup
+    summaries = [summarize(run, reference, warmup_s) for run in ordered]
     command = "scripts/load_test.py " + " ".join(
         a if not a.startswith("/") else os.path.relpath(a, REPO) for a in (argv or sys.argv[1:]))
     write_report(args.out, summaries, {
-        "model": args.model, "duration_s": args.duration, "warmup_s": WARMUP_S,
+        "model": args.model, "duration_s": args.duration, "warmup_s": warmup_s,
         "clients": sum(c for c, _ in STREAMS.values()) + 2, "command": command,
         "prompts": {"short": sum(p["kind"] == "short" for p in prompts),
                     "long": sum(p["kind"] == "long" for p in prompts)},

@@ -40,6 +40,7 @@ def test_candidate_counts():
     ({"rank_prior": [0.5, 1.2, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]}, "rank_prior entries"),
     ({"top_k": "ten"}, "graft.top_k"),
     ({"ops_backend": "gpu"}, "graft.ops_backend"),
+    ({"heap_trim_s": -1}, "graft.heap_trim_s"),
 ])
 def test_bad_values_name_the_key(data, key):
     with pytest.raises(GraftConfigError, match=key.replace(".", r"\.")):

@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from tests.vllm.conftest import graft_spec, running_llm
+from tests.vllm.conftest import graft_spec, running_llm, spec_metrics
 from vllm_graft.core.config import GraftConfigError, SuccessorStateConfig
 from vllm_graft.core.successor import (TOKENIZER_FINGERPRINT_KEY, SuccessorFileError,
                                        SuccessorMatrix, read_successor_file)
@@ -171,3 +171,17 @@ def test_aborted_requests_leave_no_request_state(tiny_models):
         out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=8),
                            use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 8
+
+
+def test_worker_hands_kept_heap_back_on_its_period(tiny_models):
+    """``graft.heap_trim_s``: the worker trims its heap between steps, at most once per
+    period, and counts it (a period shorter than a step: every step)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with running_llm(tiny_models.target, graft_spec(tiny_models.head, budget=16,
+                                                    heap_trim_s=1e-6)) as llm:
+        llm.generate(PROMPTS[:2], params, use_tqdm=False)
+        metrics = spec_metrics(llm)
+    assert metrics["graft_heap_trims"] >= 8
+    assert metrics["graft_heap_trim_us"] > 0

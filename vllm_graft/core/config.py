@@ -302,6 +302,10 @@ class GraftConfig(BaseModel):
     context: ContextRetrievalConfig | None = Field(
         None, description="copy continuations from the request's own context (prompt "
         "lookup); unset: on for the graft variant, off for the ablations")
+    heap_trim_s: float = Field(
+        10.0, ge=0, le=3600, description="seconds of engine steps between two hand-backs "
+        "of the memory the C allocator keeps after frees (glibc malloc_trim), so a "
+        "long-running server's resident size follows what is live; 0: never")
 
     @field_validator("guard_modes")
     @classmethod

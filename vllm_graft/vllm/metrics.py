@@ -62,6 +62,9 @@ GRAFT_COUNTERS = {
     "draft_forward_us": "Microseconds of draft-head forwards (catch-up and tree steps).",
     "tree_attention_us": "Microseconds recomputing tree rows' attention in the target "
                          "(CPU only: on a GPU it is part of the forward).",
+    "heap_trims": "Times the worker handed the memory its C allocator kept after frees "
+                  "back to the system (graft.heap_trim_s).",
+    "heap_trim_us": "Microseconds those hand-backs took.",
     "stage_none": "Trees built without drafting (retrieval_only).",
     "stage_full": "Trees whose drafting was not pruned.",
 }

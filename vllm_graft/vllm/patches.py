@@ -22,7 +22,7 @@ through the general-plugin entry point.
 | 8 | ``GPUModelRunner._sample`` | lossless tree acceptance, KV move, matrix update |
 | 9 | ``GPUModelRunner._input_fits_in_drafter`` | per-request fit is Graft's job |
 | 10 | ``GPUModelRunner.propose_draft_token_ids`` | catch-up + tree drafting (DFlash: vLLM's block proposal, then Graft-TAIL) |
-| 11 | ``GPUModelRunner.sample_tokens`` | ship Graft counters with the output; periodic successor-state save |
+| 11 | ``GPUModelRunner.sample_tokens`` | ship Graft counters with the output; periodic successor-state save and heap trim |
 | 11b | ``GPUModelRunner.shutdown`` | save the successor state (``graft.successor_state``) |
 | 12 | ``v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward`` (on GPUs: the ``forward`` of the attention implementation in use, patched when the KV cache is created) | tree mask |
 | 13 | ``v1.core.sched.scheduler.Scheduler.update_from_output`` / ``make_stats`` | sum counters |
@@ -373,6 +373,10 @@ def _patch_runner() -> list[Patch]:
     def sample_tokens(self, *args, **kwargs):
         output = call_original(cls, "sample_tokens")(self, *args, **kwargs)
         if on(self) and output is not None:
+            trimmed = self.drafter.heap_trimmer.maybe_trim()
+            if trimmed is not None:
+                self._graft_stats.counts["heap_trims"] += 1
+                self._graft_stats.add_seconds("heap_trim", trimmed)
             counts = self._graft_stats.take()
             if counts:
                 output.graft_stats = counts

@@ -49,6 +49,7 @@ from vllm_graft.core.hybrid import ancestor_ids
 from vllm_graft.core.isolation import IsolationMode, MatrixPartitions
 from vllm_graft.core.successor import SuccessorMatrix
 from vllm_graft.vllm.config import GraftSettings, TokenizerRef
+from vllm_graft.vllm.heap import HeapTrimmer
 from vllm_graft.vllm.sampling import plain_decoding_reason
 from vllm_graft.vllm.successor_state import (SuccessorStateKeeper, is_state_writer,
                                              matrix_metadata)
@@ -183,6 +184,8 @@ class GraftTreeDrafting:
             self.state_keeper = SuccessorStateKeeper(
                 config.successor_state, lambda: self.matrix, matrix_metadata(vllm_config),
                 writer=is_state_writer(vllm_config))
+        # the worker's heap, handed back now and then (graft.heap_trim_s)
+        self.heap_trimmer = HeapTrimmer(config.heap_trim_s)
         self.tree_builder = GraftTreeBuilder(config, matrix, settings.thresholds, device,
                                              tree_shape=settings.tree_shape)
         # which matrix partition each request reads and teaches (graft.isolation)

@@ -1,0 +1,43 @@
+"""``scripts/load_test.py``'s memory figures on synthetic traces (no server): a steady
+climb shows as a trend, the saw-tooth of periodic heap trims does not."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "load_test.py"
+
+
+@pytest.fixture(scope="module")
+def load_test():
+    spec = importlib.util.spec_from_file_location("load_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["load_test"] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("load_test", None)
+
+
+def samples(mb_at, seconds: int = 600, every: int = 3) -> list[tuple[float, float]]:
+    return [(float(t), float(mb_at(t))) for t in range(0, seconds + 1, every)]
+
+
+def test_a_steady_climb_shows_as_its_rate(load_test):
+    trace = samples(lambda t: 5000 + 0.5 * t)  # 30 MB a minute
+    assert load_test.second_half_slope(trace) == pytest.approx(30.0, abs=0.01)
+    assert load_test.second_half_growth(trace) == pytest.approx(150.0, abs=2)
+
+
+def test_a_trim_saw_tooth_is_flat(load_test):
+    """Kept memory builds up for 10 s, then a trim hands 120 MB back: no trend, while
+    the end-minus-middle difference depends on where the two samples fall."""
+    trace = samples(lambda t: 5000 + 12 * (t % 10))
+    assert abs(load_test.second_half_slope(trace)) < 1.0
+
+
+def test_too_short_a_trace_has_no_trend(load_test):
+    assert load_test.second_half_slope([(0.0, 1.0), (3.0, 2.0)]) is None
