@@ -308,6 +308,24 @@ def test_throughput_guard_runs_the_measured_faster_mode_and_keeps_checking():
     assert modes.count(plain) < 0.03 * len(modes)
 
 
+def test_a_mode_is_within_reach_until_measured_well_below_the_fastest():
+    from vllm_graft.core.budget import ThroughputGuard
+    from vllm_graft.core.config import StepMode
+
+    tree, chain, plain = StepMode.TREE, StepMode.CHAIN, StepMode.PLAIN
+    guard = ThroughputGuard(modes=(tree, chain, plain))
+    assert guard.within_reach(8, tree)  # nothing measured yet
+    guard.observe(plain, 8, tokens=8, seconds=0.1)  # 80 tokens/s
+    guard.observe(tree, 8, tokens=6, seconds=0.1)  # 60
+    assert guard.within_reach(8, tree)  # chain not measured at batch 8 yet
+    guard.observe(chain, 8, tokens=7, seconds=0.1)  # 70
+    assert not guard.within_reach(8, tree)  # 0.75 of the fastest
+    assert guard.within_reach(8, chain) and guard.within_reach(8, plain)
+    assert guard.within_reach(8, tree, share=0.7)
+    assert guard.within_reach(32, tree)  # another batch bucket: not measured
+    assert not ThroughputGuard(modes=(chain, plain)).within_reach(1, tree)
+
+
 def chain_yield(extra_mean: float, longest: int = 8):
     """Tokens of one chain step at batch 1: the bonus token plus a geometric number of
     accepted nodes (the shape of real acceptance), mean about ``1 + extra_mean``."""

@@ -105,7 +105,8 @@ def test_throughput_guard_decodes_in_the_measured_fastest_mode(tiny_models, plai
 
 def test_copy_chains_alone_are_lossless(tiny_models, plain_outputs, tmp_path, monkeypatch):
     """``guard_modes: ["chain"]``: every step a copy chain (context copies continued by
-    the successor matrix, no drafter), verified by the backend's causal attention.
+    the successor matrix, no drafter: the drafter never runs, not even over prompts),
+    verified by the backend's causal attention.
     Greedy output identical to plain decoding; sampled output distributed as plain
     sampling; the chains were proposed and some of their nodes accepted."""
     monkeypatch.setenv("VLLM_GRAFT_CACHE", str(tmp_path))
@@ -118,6 +119,8 @@ def test_copy_chains_alone_are_lossless(tiny_models, plain_outputs, tmp_path, mo
     assert 0 < metrics["graft_verified_nodes"] <= metrics["graft_chain_nodes"]
     assert metrics["graft_accepted_context"] + metrics["graft_accepted_retrieved"] > 0, metrics
     assert not metrics.get("graft_tree_attention_us")  # chains need no tree attention
+    # trees are not among the modes: the drafter reads no prompt and no row
+    assert not metrics.get("graft_draft_forward_us") and not metrics.get("graft_draft_forwards")
 
     monkeypatch.setenv("VLLM_GRAFT_CACHE", str(tmp_path / "sampling"))
     flat_profile(tiny_models.sharp, tmp_path / "sampling")

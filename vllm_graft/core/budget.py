@@ -379,6 +379,17 @@ class ThroughputGuard:
             return None
         return self.modes[max(range(len(rates)), key=lambda i: rates[i])]
 
+    def within_reach(self, batch: int, mode: StepMode, share: float = 0.8) -> bool:
+        """Whether ``mode`` may still be worth preparing for at ``batch``: it is one of
+        the guard's modes and was not measured below ``share`` of the fastest mode's
+        rate there (True until every mode was measured at that batch size)."""
+        if mode not in self.modes:
+            return False
+        rates = [self.rate_of(batch, m) for m in self.modes]
+        if any(rate is None for rate in rates):
+            return True
+        return self.rate_of(batch, mode) >= share * max(rates)
+
     def choose(self, batch: int) -> StepMode:
         """The mode of the next step at ``batch`` requests."""
         self.steps += 1

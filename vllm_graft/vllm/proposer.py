@@ -205,6 +205,11 @@ class GraftTreeDrafting:
         # ``mode`` is the guard's choice for the step being scheduled
         self.guard: ThroughputGuard | None = None
         self.mode = StepMode.TREE
+        # whether trees are still worth preparing for at this batch size (the guard's
+        # word; always with a fixed budget), and, per request, decided once at its
+        # first sight: whether the drafter reads its positions at all
+        self.trees_in_reach = True
+        self.drafter_follows: dict[str, bool] = {}
         # what the last proposals really were: a tree step in which no request drafted
         # (each waits after a tree cut to nothing) was plain decoding, and is timed so
         self.ran_mode = StepMode.PLAIN
@@ -266,6 +271,7 @@ class GraftTreeDrafting:
                 "context_indexes": len(self.context_indexes),
                 "prompt_lengths": len(self.prompt_lengths),
                 "matrix_partitions": len(self.isolation.partition_of),
+                "drafter_follows": len(self.drafter_follows),
                 "matrix_refusals": self.isolation.refusals}
 
     def forget(self, req_ids, finished=()) -> None:
@@ -276,6 +282,7 @@ class GraftTreeDrafting:
             self.pending.pop(req_id, None)
             self.plain_steps.pop(req_id, None)
             self.deferred.pop(req_id, None)
+            self.drafter_follows.pop(req_id, None)
             index = self.context_indexes.pop(req_id, None)
             prompt_len = self.prompt_lengths.pop(req_id, 0)
             if index is not None and self.shared_context is not None and req_id in finished:
@@ -388,13 +395,28 @@ class GraftTreeDrafting:
     #: drafter's cost with it) and tries again after this many plain steps
     REPROBE_STEPS = 8
 
+    def follows(self, req_id: str) -> bool:
+        """Whether the drafter reads this request's positions, decided at its first
+        sight for its whole life: not when the throughput guard had measured trees well
+        below the fastest mode at the batch size it arrived in. The drafter's pass over
+        such a request's prompt, the projection of its rows and their deferral would
+        serve only trees, which it then never drafts (copy chains and plain decoding
+        need no drafter)."""
+        follows = self.drafter_follows.get(req_id)
+        if follows is None:
+            follows = self.drafter_follows[req_id] = self.trees_in_reach
+        return follows
+
     def may_draft(self, req_state, root_position: int) -> bool:
         """A tree needs its rows (and the drafter's) to fit in the context, a request
         whose options depend on earlier tokens is decoded plainly, and so, for a while,
         is a request whose last tree budget "auto" found not worth verifying, and every
-        request while the throughput guard measures plain decoding fastest."""
+        request while the throughput guard measures plain decoding fastest. A request
+        the drafter does not follow drafts no tree."""
         config = self.settings.config
         if self.mode is StepMode.PLAIN:
+            return False
+        if self.mode is StepMode.TREE and not self.follows(req_state.req_id):
             return False
         if root_position + max(config.budget, config.max_depth, self.chain_tokens) + 1 \
                 > self.max_model_len:
@@ -447,19 +469,20 @@ class GraftTreeDrafting:
         drafter forward. Returns None when nothing was fed, else (the catch-up batch
         index of each fed request by its index in ``settled``, last row of each fed
         request in the catch-up batch, hidden for logits, hidden for the next step)."""
-        per_request = [self._catch_up_inputs(s) for s in settled]
-        hidden_rows: list[torch.Tensor | None] = [None] * len(settled)
-        if self.USES_HIDDEN:
-            rows = torch.tensor([r for s in settled for r in s.rows], dtype=torch.long,
-                                device=self.device)
+        req_ids = runner.input_batch.req_ids
+        followed = [i for i, s in enumerate(settled) if self.follows(req_ids[s.batch_row])]
+        per_request = {i: self._catch_up_inputs(settled[i]) for i in followed}
+        hidden_rows: dict[int, torch.Tensor | None] = dict.fromkeys(followed)
+        if self.USES_HIDDEN and followed:
+            rows = torch.tensor([r for i in followed for r in settled[i].rows],
+                                dtype=torch.long, device=self.device)
             target_hidden = torch.cat([h[rows] for h in aux_hidden_states], dim=-1) \
                 if self.eagle3_use_aux_hidden_state else aux_hidden_states[-1][rows]
-            hidden_rows = list(self.model.combine_hidden_states(target_hidden).split(
-                [len(s.rows) for s in settled]))
-        req_ids = runner.input_batch.req_ids
+            hidden_rows = dict(zip(followed, self.model.combine_hidden_states(
+                target_hidden).split([len(settled[i].rows) for i in followed])))
         now: list[tuple[int, tuple]] = []  # (index in settled, rows fed now)
-        for i, (s, (tokens, positions), hidden) in enumerate(
-                zip(settled, per_request, hidden_rows)):
+        for i in followed:
+            s, (tokens, positions), hidden = settled[i], per_request[i], hidden_rows[i]
             req_id = req_ids[s.batch_row]
             if feeds[i]:
                 entry = self.deferred.pop(req_id, None)

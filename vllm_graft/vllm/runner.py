@@ -421,7 +421,9 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
     if proposer.guard is not None:  # this step's measurement first, then the next mode
         _observe_throughput(runner, scheduler_output, settled, proposer.ran_mode)
         # every rank must draft (or not) alike: the first rank's timing decides
-        proposer.mode = agree(proposer.guard.choose(len(scheduler_output.num_scheduled_tokens)))
+        batch = len(scheduler_output.num_scheduled_tokens)
+        proposer.mode, proposer.trees_in_reach = agree(
+            (proposer.guard.choose(batch), proposer.guard.within_reach(batch, StepMode.TREE)))
     _decide_drafting(runner, settled)
     drafts = proposer.propose_trees(runner, scheduler_output, settled, aux_hidden_states)
     if proposer.guard is not None:
