@@ -315,15 +315,39 @@ def test_a_mode_is_within_reach_until_measured_well_below_the_fastest():
     tree, chain, plain = StepMode.TREE, StepMode.CHAIN, StepMode.PLAIN
     guard = ThroughputGuard(modes=(tree, chain, plain))
     assert guard.within_reach(8, tree)  # nothing measured yet
-    guard.observe(plain, 8, tokens=8, seconds=0.1)  # 80 tokens/s
-    guard.observe(tree, 8, tokens=6, seconds=0.1)  # 60
+    for _ in range(20):
+        guard.observe(plain, 8, tokens=8, seconds=0.1)  # 80 tokens/s
+        guard.observe(tree, 8, tokens=4, seconds=0.1)  # 40
     assert guard.within_reach(8, tree)  # chain not measured at batch 8 yet
-    guard.observe(chain, 8, tokens=7, seconds=0.1)  # 70
-    assert not guard.within_reach(8, tree)  # 0.75 of the fastest
+    for _ in range(20):
+        guard.observe(chain, 8, tokens=10, seconds=0.1)  # 100
+    assert not guard.within_reach(8, tree)  # well below the fastest
     assert guard.within_reach(8, chain) and guard.within_reach(8, plain)
-    assert guard.within_reach(8, tree, share=0.7)
+    assert guard.within_reach(8, tree, share=0.4)
     assert guard.within_reach(32, tree)  # another batch bucket: not measured
     assert not ThroughputGuard(modes=(chain, plain)).within_reach(1, tree)
+    # while trees do not run their measurements fade, and they come within reach
+    # again: their bound widens until they are worth another look
+    for _ in range(300):
+        assert guard.choose(8, unavailable=(tree,)) is not tree
+    assert not guard.within_reach(8, tree)  # at 0.4 of the fastest, looked at rarely
+    for _ in range(500):
+        guard.choose(8, unavailable=(tree,))
+    assert guard.within_reach(8, tree)
+
+
+def test_an_unavailable_mode_is_neither_probed_nor_chosen():
+    from vllm_graft.core.budget import ThroughputGuard
+    from vllm_graft.core.config import StepMode
+
+    tree, chain, plain = StepMode.TREE, StepMode.CHAIN, StepMode.PLAIN
+    guard = ThroughputGuard(modes=(tree, chain, plain))
+    assert guard.choose(4, unavailable=(tree,)) is chain  # probes skip it too
+    guard.observe(chain, 4, tokens=4, seconds=0.1)
+    assert guard.choose(4, unavailable=(tree,)) is plain
+    guard.observe(plain, 4, tokens=4, seconds=0.1)
+    assert guard.choose(4) is tree  # available again: measured first
+    assert guard.choose(4, unavailable=(tree, chain, plain)) is plain
 
 
 def chain_yield(extra_mean: float, longest: int = 8):

@@ -381,24 +381,28 @@ class ThroughputGuard:
 
     def within_reach(self, batch: int, mode: StepMode, share: float = 0.8) -> bool:
         """Whether ``mode`` may still be worth preparing for at ``batch``: it is one of
-        the guard's modes and was not measured below ``share`` of the fastest mode's
+        the guard's modes and the rate it could have (its upper bound, which widens as
+        its measurements fade) is at least ``share`` of the fastest mode's measured
         rate there (True until every mode was measured at that batch size)."""
         if mode not in self.modes:
             return False
         rates = [self.rate_of(batch, m) for m in self.modes]
         if any(rate is None for rate in rates):
             return True
-        return self.rate_of(batch, mode) >= share * max(rates)
+        return self.bound_of(batch, mode) >= share * max(rates)
 
-    def choose(self, batch: int) -> StepMode:
-        """The mode of the next step at ``batch`` requests."""
+    def choose(self, batch: int, unavailable: tuple[StepMode, ...] = ()) -> StepMode:
+        """The mode of the next step at ``batch`` requests, among the guard's modes
+        less ``unavailable`` ones (a mode no request of the batch can run this step:
+        its step would be another mode's and measure nothing of its own)."""
         self.steps += 1
         bucket = self.bucket(batch)
-        for mode in self.modes:  # first measure every mode
+        modes = [mode for mode in self.modes if mode not in unavailable] or [StepMode.PLAIN]
+        for mode in modes:  # first measure every mode
             if self.measured.get((bucket, mode), 0) < self.probe_steps:
                 return mode
-        bounds = [self.bound_of(batch, mode) for mode in self.modes]
-        return self.modes[max(range(len(bounds)), key=lambda i: bounds[i])]
+        bounds = [self.bound_of(batch, mode) for mode in modes]
+        return modes[max(range(len(bounds)), key=lambda i: bounds[i])]
 
     def observe(self, mode: StepMode, batch: int, tokens: int, seconds: float) -> None:
         """One decoding step (no prefill): ``tokens`` emitted by ``batch`` requests in

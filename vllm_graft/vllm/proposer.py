@@ -407,6 +407,11 @@ class GraftTreeDrafting:
             follows = self.drafter_follows[req_id] = self.trees_in_reach
         return follows
 
+    def would_follow_any(self, req_ids, trees_in_reach: bool) -> bool:
+        """Whether the drafter follows (or, at first sight, would follow) any of
+        ``req_ids``: without one, no request can draft a tree this step."""
+        return any(self.drafter_follows.get(req_id, trees_in_reach) for req_id in req_ids)
+
     def may_draft(self, req_state, root_position: int) -> bool:
         """A tree needs its rows (and the drafter's) to fit in the context, a request
         whose options depend on earlier tokens is decoded plainly, and so, for a while,

@@ -421,9 +421,11 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
     if proposer.guard is not None:  # this step's measurement first, then the next mode
         _observe_throughput(runner, scheduler_output, settled, proposer.ran_mode)
         # every rank must draft (or not) alike: the first rank's timing decides
-        batch = len(scheduler_output.num_scheduled_tokens)
+        requests = list(scheduler_output.num_scheduled_tokens)
+        reach = proposer.guard.within_reach(len(requests), StepMode.TREE)
+        no_trees = () if proposer.would_follow_any(requests, reach) else (StepMode.TREE,)
         proposer.mode, proposer.trees_in_reach = agree(
-            (proposer.guard.choose(batch), proposer.guard.within_reach(batch, StepMode.TREE)))
+            (proposer.guard.choose(len(requests), no_trees), reach))
     _decide_drafting(runner, settled)
     drafts = proposer.propose_trees(runner, scheduler_output, settled, aux_hidden_states)
     if proposer.guard is not None:
