@@ -36,7 +36,7 @@ class AlternatingGuard:
     def __init__(self):
         self.steps = 0
 
-    def choose(self, batch: int):
+    def choose(self, batch: int, unavailable=()):
         from vllm_graft.core.config import StepMode
 
         self.steps += 1
