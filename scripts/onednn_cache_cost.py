@@ -18,16 +18,11 @@ that builds its primitive against one that finds it cached.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import statistics
 import time
 
-
-class Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
+from heap_trace import _libc  # glibc with mallinfo2 declared (this folder is on the path)
 
 
 def live_heap_mb(libc) -> float:
@@ -45,8 +40,7 @@ def main(argv=None) -> int:
     import torch
     from vllm import _custom_ops as ops
 
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = Mallinfo2
+    libc = _libc()
     torch.manual_seed(0)
     weight = torch.randn(args.out_features, args.hidden)
     handler = ops.create_onednn_mm(weight.t(), 32)
