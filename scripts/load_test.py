@@ -357,7 +357,8 @@ def memory_figures(trace: list, warmup_s: float) -> dict:
             "memory_mb_last": after[-1] if after else None,
             "memory_mb_max": max(after) if after else None,
             "memory_mb_second_half_growth": second_half_growth(trace),
-            "memory_mb_per_min_second_half": second_half_slope(trace)}
+            "memory_mb_per_min_second_half": second_half_slope(trace),
+            **floor_trend(trace, warmup_s)}
 
 
 def second_half_growth(trace: list) -> float | None:
@@ -377,15 +378,39 @@ def second_half_slope(trace: list) -> float | None:
     if len(trace) < 4:
         return None
     end = trace[-1][0]
-    half = [(t, mb) for t, mb in trace if t >= end / 2]
-    if len(half) < 2:
+    return _per_minute([(t, mb) for t, mb in trace if t >= end / 2])
+
+
+def floor_trend(trace: list, warmup_s: float, window_s: float = 60.0) -> dict:
+    """The lowest RSS of each ``window_s`` after the warm-up: what the server keeps
+    between heap trims (the peaks are a step's transient buffers, handed back by the
+    next trim). A leak raises the floor; a server whose live memory holds does not.
+    Returns the first and last window's floor and the floor's trend in MB/min."""
+    lows: dict[int, tuple[float, float]] = {}
+    for t, mb in trace:
+        if t >= warmup_s:
+            window = int((t - warmup_s) // window_s)
+            if window not in lows or mb < lows[window][1]:
+                lows[window] = (warmup_s + (window + 0.5) * window_s, mb)
+    full = [lows[w] for w in sorted(lows)]
+    end = trace[-1][0] if trace else 0.0
+    if full and full[-1][0] + window_s / 2 > end + 1e-9:  # a last window cut short
+        full = full[:-1] if len(full) > 1 else full
+    return {"memory_mb_floor_first": full[0][1] if full else None,
+            "memory_mb_floor_last": full[-1][1] if full else None,
+            "memory_mb_floor_per_min": _per_minute(full) if len(full) >= 3 else None}
+
+
+def _per_minute(points: list) -> float | None:
+    """Least-squares slope of ``(seconds, MB)`` points, in MB per minute."""
+    if len(points) < 2:
         return None
-    mean_t = statistics.fmean(t for t, _ in half)
-    mean_mb = statistics.fmean(mb for _, mb in half)
-    spread = sum((t - mean_t) ** 2 for t, _ in half)
+    mean_t = statistics.fmean(t for t, _ in points)
+    mean_mb = statistics.fmean(mb for _, mb in points)
+    spread = sum((t - mean_t) ** 2 for t, _ in points)
     if spread == 0:
         return None
-    slope = sum((t - mean_t) * (mb - mean_mb) for t, mb in half) / spread
+    slope = sum((t - mean_t) * (mb - mean_mb) for t, mb in points) / spread
     return round(60 * slope, 2)
 
 
@@ -413,8 +438,9 @@ def render(out: Path) -> None:
              "| method | req/s | output tok/s | x plain | TTFT p50 / p99 ms | ITL p50 / p99 ms "
              "| failed | deterministic identical to plain "
              f"| RSS after {warmup_s:g} s of warm-up, first -> last MB "
-             "| RSS growth, second half MB | RSS trend, second half MB/min |",
-             "|---|---:|---:|---:|---|---|---:|---|---|---:|---:|"]
+             "| RSS growth, second half MB | RSS trend, second half MB/min "
+             "| RSS floor (lowest of each minute) after warm-up, first -> last MB, MB/min |",
+             "|---|---:|---:|---:|---|---|---:|---|---|---:|---:|---|"]
     for s in summaries:
         ratio = (f"{s['output_tokens_per_s'] / plain['output_tokens_per_s']:.2f}"
                  if plain and plain["output_tokens_per_s"] else "")
@@ -424,7 +450,9 @@ def render(out: Path) -> None:
             f"| {s['method']} | {s['requests_per_s']} | {s['output_tokens_per_s']} | {ratio} | "
             f"{s['ttft_ms_p50']} / {s['ttft_ms_p99']} | {s['itl_ms_p50']} / {s['itl_ms_p99']} | "
             f"{s['failed']} | {same} | {s['memory_mb_first']} -> {s['memory_mb_last']} | "
-            f"{s['memory_mb_second_half_growth']} | {s['memory_mb_per_min_second_half']} |")
+            f"{s['memory_mb_second_half_growth']} | {s['memory_mb_per_min_second_half']} | "
+            f"{s['memory_mb_floor_first']} -> {s['memory_mb_floor_last']}, "
+            f"{s['memory_mb_floor_per_min']} |")
     lines += ["", "Traffic per method: " + ", ".join(
         f"{name} ({c} clients)" for name, (c, _) in STREAMS.items())
         + ", non-streaming greedy (1 client), streams hung up after 3-7 chunks (1 client). "

@@ -41,3 +41,16 @@ def test_a_trim_saw_tooth_is_flat(load_test):
 
 def test_too_short_a_trace_has_no_trend(load_test):
     assert load_test.second_half_slope([(0.0, 1.0), (3.0, 2.0)]) is None
+
+
+def test_the_floor_holds_under_a_saw_tooth_and_climbs_with_a_leak(load_test):
+    """The lowest RSS of each minute after the warm-up: flat under trims that hand
+    back what each step's buffers took, rising with live memory that is never freed."""
+    trimmed = samples(lambda t: 5000 + 12 * (t % 10), seconds=900)
+    floor = load_test.floor_trend(trimmed, warmup_s=120)
+    assert floor["memory_mb_floor_first"] == floor["memory_mb_floor_last"] == 5000
+    assert floor["memory_mb_floor_per_min"] == pytest.approx(0.0, abs=0.01)
+    leaking = samples(lambda t: 5000 + 12 * (t % 10) + 0.25 * t, seconds=900)
+    floor = load_test.floor_trend(leaking, warmup_s=120)
+    assert floor["memory_mb_floor_per_min"] == pytest.approx(15.0, abs=1.0)
+    assert load_test.floor_trend(trimmed[:10], warmup_s=120)["memory_mb_floor_first"] is None
