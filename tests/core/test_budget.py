@@ -403,3 +403,25 @@ def test_throughput_guard_follows_a_change_and_measures_each_batch_bucket():
         ThroughputGuard(window=1.0)
     with pytest.raises(ValueError, match="distinct modes"):
         ThroughputGuard(modes=(tree, tree))
+
+
+def test_cost_curve_is_non_decreasing_and_learns_its_shape_where_steps_run():
+    """A start-up point measured while something else ran (here 4 tokens at 100 ms,
+    above 8 tokens') is pooled into a non-decreasing curve, and real steps at a few
+    query tokens correct the points around them, not only the curve's level."""
+    from vllm_graft.core.budget import non_decreasing
+
+    assert non_decreasing([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert non_decreasing([5.0, 4.0, 3.0]) == [4.0, 4.0, 4.0]
+    cost = CostModel(curves={1: ([1.0, 2.0, 4.0, 8.0, 16.0],
+                                 [57.0, 61.0, 100.0, 93.0, 150.0])})
+    ms = cost.curves[1][1]
+    assert all(b >= a for a, b in zip(ms, ms[1:])) and ms[2] == ms[3] == 96.5
+    for _ in range(200):  # this device really verifies 1, 3 and 4 tokens at 57, 63, 64 ms
+        cost.observe(1, 1, 57.0)
+        cost.observe(1, 3, 63.0)
+        cost.observe(1, 4, 64.0)
+    got = [float(cost.verify_ms(1, torch.tensor(float(n)))) for n in (1, 3, 4)]
+    assert got == pytest.approx([57.0, 63.0, 64.0], rel=0.05)
+    ms = cost.curves[1][1]
+    assert all(b >= a for a, b in zip(ms, ms[1:]))

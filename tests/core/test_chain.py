@@ -112,7 +112,7 @@ def test_the_sizer_cuts_chains_where_verifying_them_costs():
 
     matrix = matrix_with({t: (t + 1) % VOCAB for t in range(VOCAB)})
     chains = build_chains(torch.arange(4), copied_to_tensor([[9, 9, 9]] * 4, 8), matrix, 8)
-    acceptance = AcceptanceModel(prior_accepts=3.0, prior_trials=4.0)  # 3/4 per node
+    acceptance = AcceptanceModel(prior_accepts=3.0, prior_trials=4.0, explore=0.0)  # 3/4
     flat = CostModel(curves={1: ([1.0, 64.0], [10.0, 10.0])}, overhead_ms=50.0)
     kept, _ = TreeSizer(flat, acceptance).trim(chains, overhead_ms=0.0)
     assert kept.num_nodes.tolist() == [9] * 4
@@ -125,3 +125,63 @@ def test_the_sizer_cuts_chains_where_verifying_them_costs():
     n = int(cut.num_nodes[0])
     assert cut.tokens[0, :n].tolist() == chains.tokens[0, :n].tolist()  # a prefix
     assert cut.parents[0, :n].tolist() == list(range(-1, n - 1))  # still a chain
+
+
+def test_best_match_reports_the_match_length_and_its_score_bucket():
+    from vllm_graft.core.budget import AcceptanceModel
+    from vllm_graft.core.context import match_score
+
+    index = ContextIndex(min_ngram=2, max_ngram=8)
+    index.extend([1, 2, 3, 4, 5, 6, 9, 1, 2, 3, 4, 5])
+    assert index.best_match(3) == (5, [6, 9, 1])  # (1, 2, 3, 4, 5) occurred at 0..4
+    index.extend([7])
+    assert index.best_match(3) == (0, [])
+    shared = RecentOutputsIndex(max_tokens=100, min_ngram=2, max_ngram=4)
+    shared.add([5, 7, 8, 8])
+    assert index.best_match(2, shared) == (2, [8, 8])
+    scores = [match_score(n, 2) for n in (0, 2, 3, 4, 5, 8)]
+    assert scores == sorted(scores) and scores[0] == 0.0 and scores[-1] == 1.0
+    # each extra matched token up to three more gets its own bucket of the model
+    model = AcceptanceModel()
+    _, _, buckets = model._bucket(torch.full((4,), SOURCE_CONTEXT), torch.ones(4),
+                                  torch.tensor([match_score(n, 2) for n in (2, 3, 4, 5)]))
+    assert buckets.tolist() == [0, 1, 2, 3]
+
+
+def test_the_sizer_keeps_long_chains_for_long_matches_and_cuts_short_ones():
+    """Copies after a long match are accepted far more often than after a short one;
+    with each chain scored by its match (carried through trimming to what is learned),
+    the sizer learns both and verifies (nearly) the whole chain of a long match, while cutting
+    the chain of a short one on a cost curve that charges every token."""
+    from vllm_graft.core.acceptance import AcceptanceResult
+    from vllm_graft.core.budget import CostModel, TreeSizer, context_scores
+    from vllm_graft.core.context import match_score
+
+    rng = random.Random(3)
+    matrix = matrix_with({})
+    cost = CostModel(curves={1: ([1.0, 64.0], [10.0, 73.0])})  # 1 ms a token
+    sizer = TreeSizer(cost)
+    odds = {2: 0.3, 6: 0.95}  # P(copied token accepted | parent accepted) by match length
+    for _ in range(200):
+        lengths = [rng.choice((2, 6)) for _ in range(4)]
+        chains = build_chains(torch.arange(4), copied_to_tensor([[9] * 5] * 4, 5),
+                              matrix, 5)
+        chains = chains.with_score(context_scores(chains.source, torch.tensor(
+            [match_score(n, 2) for n in lengths])))
+        trimmed, _ = sizer.trim(chains, overhead_ms=0.0)
+        accepted = torch.full((4, 6), -1, dtype=torch.long)
+        for b, n in enumerate(lengths):
+            depth = 0
+            while depth < int(trimmed.num_nodes[b]) - 1 and rng.random() < odds[n]:
+                depth += 1
+                accepted[b, depth - 1] = depth
+        sizer.observe(trimmed, AcceptanceResult(accepted_rows=accepted,
+                                                output_tokens=accepted,
+                                                num_accepted=(accepted >= 0).sum(1)))
+    chains = build_chains(torch.arange(2), copied_to_tensor([[9] * 5] * 2, 5), matrix, 5)
+    chains = chains.with_score(context_scores(chains.source, torch.tensor(
+        [match_score(6, 2), match_score(2, 2)])))
+    trimmed, _ = sizer.trim(chains, overhead_ms=0.0)
+    assert trimmed.score is not None
+    assert trimmed.num_nodes.tolist()[0] >= 5  # (nearly) the whole chain of a long match
+    assert trimmed.num_nodes.tolist()[1] <= 2  # at most one copy after a short one

@@ -5,7 +5,7 @@ import torch
 
 from tests.core.helpers import reference_trie_merge
 from vllm_graft.core.hybrid import (SOURCE_BOTH, SOURCE_DRAFT, SOURCE_RETRIEVED,
-                                    ancestor_mask, merge_and_flatten)
+                                    HybridTree, ancestor_mask, merge_and_flatten)
 
 
 def _random_part(rng, n, vocab, invalid_rate=0.1):
@@ -100,3 +100,25 @@ def test_ancestor_mask_deep_chain():
     parents = torch.arange(-1, n - 1).unsqueeze(0)
     mask = ancestor_mask(parents, torch.ones(1, n, dtype=torch.bool), n - 1)
     assert torch.equal(mask[0], torch.tril(torch.ones(n, n, dtype=torch.bool)))
+
+
+def test_a_tree_score_follows_its_rows_through_trimming_and_padding():
+    from vllm_graft.core.hybrid import pad_to_budget, trim_tree
+
+    tokens = torch.tensor([[0, 5, 6, 7]])
+    parents = torch.tensor([[-1, 0, 0, 1]])
+    depths = torch.tensor([[0, 1, 1, 2]])
+    valid = torch.ones(1, 4, dtype=torch.bool)
+    tree = HybridTree(tokens=tokens, parents=parents, depths=depths, valid=valid,
+                      source=torch.zeros(1, 4, dtype=torch.uint8),
+                      ancestor=ancestor_mask(parents, valid, 2), num_nodes=valid.sum(1))
+    assert tree.score is None and tree.to("cpu").score is None
+    with pytest.raises(ValueError, match="shape of its tokens"):
+        tree.with_score(torch.zeros(1, 3))
+    scored = tree.with_score(torch.tensor([[0.0, 0.1, 0.2, 0.3]]))
+    keep = torch.tensor([[True, True, False, True]])  # drop row 2: row 3 moves up
+    trimmed = trim_tree(scored, keep)
+    assert trimmed.tokens[0].tolist() == [0, 5, 7, -1]
+    assert trimmed.score[0].tolist() == pytest.approx([0.0, 0.1, 0.3, 0.0])
+    padded = pad_to_budget(trimmed, vocab_size=50)
+    assert padded.score[0].tolist() == pytest.approx([0.0, 0.1, 0.3, 0.0])

@@ -103,6 +103,16 @@ def test_throughput_guard_decodes_in_the_measured_fastest_mode(tiny_models, plai
     assert fastest > 2 * max(steps.values()), (state, fastest, steps)
 
 
+def context_trials_by_score(worker) -> list[float]:
+    """Trials the sizer's acceptance model counted for context-copied nodes, per score
+    bucket (the prior's seed removed)."""
+    from vllm_graft.core.budget import SOURCE_NAMES
+
+    acceptance = worker.model_runner.drafter.sizer.acceptance
+    trials = acceptance.trials[SOURCE_NAMES.index("context")] - acceptance.prior_trials
+    return trials.sum(0).tolist()
+
+
 def test_copy_chains_alone_are_lossless(tiny_models, plain_outputs, tmp_path, monkeypatch):
     """``guard_modes: ["chain"]``: every step a copy chain (context copies continued by
     the successor matrix, no drafter: the drafter never runs, not even over prompts),
@@ -114,6 +124,10 @@ def test_copy_chains_alone_are_lossless(tiny_models, plain_outputs, tmp_path, mo
     with running_llm(tiny_models.target, spec) as llm:
         assert_greedy_identical(llm, PROMPTS, plain_outputs, MAX_TOKENS)
         metrics = spec_metrics(llm)
+        copied_trials = llm.collective_rpc(context_trials_by_score)[0]
+    # copied nodes were learned by their match's score: buckets other than the one an
+    # unscored node falls in (0.5) gained trials
+    assert sum(n for bucket, n in enumerate(copied_trials) if bucket != 2) > 0, copied_trials
     assert metrics["graft_guard_chain_steps"] > 0 and not metrics.get("graft_guard_tree_steps")
     assert metrics["graft_chains_built"] > 0 and not metrics.get("graft_trees_built")
     assert 0 < metrics["graft_verified_nodes"] <= metrics["graft_chain_nodes"]

@@ -23,6 +23,7 @@ likely to be accepted. Three pieces, all batched and device-agnostic:
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from dataclasses import dataclass, field
@@ -37,9 +38,24 @@ from vllm_graft.core.hybrid import SOURCE_CONTEXT, HybridTree, trim_tree
 #: the acceptance model's source classes; a context-copied node is ``context`` whatever
 #: else proposed it
 SOURCE_NAMES = ("draft", "retrieved", "both", "context")
+#: the score of a node nothing more is known of than its source and depth
+UNKNOWN_SCORE = 0.5
 
 
 # ---- cost ------------------------------------------------------------------------------
+def non_decreasing(values: list[float]) -> list[float]:
+    """The least-squares non-decreasing fit of ``values`` (pool adjacent violators):
+    each run that decreases is replaced by its mean."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for value in values:
+        blocks.append([float(value), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
+
+
 @dataclass
 class CostModel:
     """Step time (ms) = verification forward + Graft's fixed cost + per-node cost.
@@ -66,6 +82,8 @@ class CostModel:
                                  f"{len(tokens)} tokens and {len(ms)} times")
             if any(b <= a for a, b in zip(tokens, tokens[1:])):
                 raise ValueError(f"curve for batch {batch}: tokens must increase")
+            # more query tokens never make a forward cheaper: a dip is measurement noise
+            self.curves[batch] = (list(tokens), non_decreasing(ms))
 
     def verify_ms(self, batch: int, total_tokens: torch.Tensor) -> torch.Tensor:
         """Forward time for ``total_tokens`` (any shape) query tokens at ``batch``."""
@@ -105,19 +123,28 @@ class CostModel:
 
     def observe(self, batch: int, total_tokens: int, measured_ms: float,
                 rate: float = 0.1) -> None:
-        """Move the nearest measured curve toward a real step's forward time: the whole
-        curve is scaled, so the profile's shape is kept and its level tracks the device
-        (clock changes, other tenants, a different context length). A frozen profile
-        stays as it is."""
+        """Move the nearest measured curve toward a real step's forward time. Half of
+        the move scales the whole curve, so its level tracks the device (clock changes,
+        other tenants, a different context length); the other half goes to the two
+        points around ``total_tokens``, by their interpolation weights, so the shape is
+        learned where steps really run (a start-up point measured while something else
+        ran would otherwise stay wrong, and so would every tree size chosen by it). The
+        curve stays non-decreasing. A frozen profile stays as it is."""
         if self.frozen:
             return
         nearest = min(self.curves, key=lambda size: abs(size - batch))
         predicted = float(self._curve_ms(nearest, torch.tensor([float(total_tokens)]))[0])
         if predicted <= 0 or measured_ms <= 0:
             return
-        scale = (measured_ms / predicted) ** rate
+        ratio = measured_ms / predicted
         tokens, ms = self.curves[nearest]
-        self.curves[nearest] = (tokens, [value * scale for value in ms])
+        upper = min(max(bisect.bisect_left(tokens, total_tokens), 1), len(tokens) - 1)
+        weight = min(max((total_tokens - tokens[upper - 1])
+                         / (tokens[upper] - tokens[upper - 1]), 0.0), 1.0)
+        local = {upper - 1: 1.0 - weight, upper: weight}
+        ms = [value * ratio ** (rate / 2 * (1.0 + local.get(i, 0.0)))
+              for i, value in enumerate(ms)]
+        self.curves[nearest] = (tokens, non_decreasing(ms))
 
     # persistence: a profile is cached per (model, device, dtype, parallel layout)
     def observe_overhead(self, spent_ms: float, rate: float = 0.2) -> None:
@@ -179,9 +206,11 @@ class CostModel:
 class AcceptanceModel:
     """P(node accepted | parent accepted) per (source, depth, score bucket), as Beta counts.
 
-    ``score`` is what is known of a node when the tree is built, in [0, 1]: the drafter's
-    probability for drafted nodes, ``1 / (1 + rank)`` for retrieved ones. Buckets split
-    it evenly. ``prior_accepts`` / ``prior_trials`` seed every bucket (for example from
+    ``score`` is what is known of a node when the tree is built, in [0, 1]; buckets
+    split it evenly. The engine scores context-copied nodes by the length of their
+    match (:func:`vllm_graft.core.context.match_score`: a long match is copied far more
+    often than a short one); its drafted and retrieved nodes are :data:`UNKNOWN_SCORE`,
+    told apart by source and depth only. ``prior_accepts`` / ``prior_trials`` seed every bucket (for example from
     the acceptance rates a calibration run measured), so a cold model is not blind.
     """
 
@@ -189,6 +218,8 @@ class AcceptanceModel:
     score_buckets: int = 4
     prior_accepts: float = 1.0
     prior_trials: float = 4.0
+    #: standard errors added when choosing (:meth:`optimistic`)
+    explore: float = 1.0
     accepts: torch.Tensor = field(init=False)
     trials: torch.Tensor = field(init=False)
 
@@ -213,6 +244,20 @@ class AcceptanceModel:
         s, d, b = self._bucket(source, depth, score)
         return (self.accepts[s, d, b] / self.trials[s, d, b]).to(score.device)
 
+    def optimistic(self, source, depth, score) -> torch.Tensor:
+        """:meth:`conditional` plus ``explore`` standard errors of its estimate (at most
+        1): what the sizer chooses by. A class of nodes is only learned from when it is
+        verified, and a class that was never verified sits at the prior; on a device
+        where every token costs, the prior alone would keep it unverified for ever (a
+        copy chain's second token after a long match, say, whose real odds are above
+        0.9). The margin shrinks as the class is tried, so what is well measured is
+        chosen by its measured odds."""
+        s, d, b = self._bucket(source, depth, score)
+        accepts, trials = self.accepts[s, d, b], self.trials[s, d, b]
+        mean = accepts / trials
+        error = torch.sqrt(mean * (1 - mean) / (trials + 1))
+        return (mean + self.explore * error).clamp(max=1.0).to(score.device)
+
     def observe(self, source, depth, score, parent_accepted, accepted) -> None:
         """Learn from one verified batch: every node whose parent was on the accepted
         path is a trial; it succeeds when the node is on the path too."""
@@ -223,6 +268,15 @@ class AcceptanceModel:
         self.trials.index_put_((s, d, b), ones, accumulate=True)
         self.accepts.index_put_((s, d, b), accepted.bool().cpu()[trial].double(),
                                 accumulate=True)
+
+
+def context_scores(source: torch.Tensor, request_scores: torch.Tensor) -> torch.Tensor:
+    """``[B, N]`` scores of a tree's nodes: each context-copied node gets its request's
+    match score (``request_scores`` ``[B]``, :func:`vllm_graft.core.context.match_score`),
+    every other node :data:`UNKNOWN_SCORE`."""
+    copied = (source.long() & SOURCE_CONTEXT) > 0
+    return torch.where(copied, request_scores.to(torch.float32).unsqueeze(1).to(source.device),
+                       torch.full(source.shape, UNKNOWN_SCORE, device=source.device))
 
 
 def path_probability(parents: torch.Tensor, depths: torch.Tensor, valid: torch.Tensor,
@@ -428,13 +482,16 @@ class TreeSizer:
         self.acceptance = acceptance or AcceptanceModel()
 
     def _score(self, tree: HybridTree, score: torch.Tensor | None) -> torch.Tensor:
+        """``score``, else the tree's own (:attr:`HybridTree.score`), else unknown."""
+        if score is None:
+            score = tree.score
         return score if score is not None else torch.full(
-            tree.tokens.shape, 0.5, dtype=torch.float64, device=tree.tokens.device)
+            tree.tokens.shape, UNKNOWN_SCORE, dtype=torch.float64, device=tree.tokens.device)
 
     def choose(self, tree: HybridTree, score: torch.Tensor | None = None,
                overhead_ms: float | None = None) -> Choice:
-        conditional = self.acceptance.conditional(tree.source, tree.depths,
-                                                  self._score(tree, score))
+        conditional = self.acceptance.optimistic(tree.source, tree.depths,
+                                                 self._score(tree, score))
         prob = path_probability(tree.parents, tree.depths, tree.valid, conditional)
         return choose_nodes(prob, tree.valid, self.cost, overhead_ms=overhead_ms)
 

@@ -49,6 +49,22 @@ import torch
 DEPTH_DECAY = 0.9
 #: Weight factor of a match found in another request's output.
 SHARED_DISCOUNT = 0.5
+#: Match lengths above the shortest matched that :func:`match_score` tells apart.
+MATCH_SCORE_STEPS = 3
+
+
+def match_score(match_length: int, min_ngram: int) -> float:
+    """What a context-copied node's match says of its odds, as the acceptance model's
+    score in [0, 1] (:class:`vllm_graft.core.budget.AcceptanceModel`): how many tokens
+    longer than the shortest matched suffix the match was, saturating at
+    ``MATCH_SCORE_STEPS`` more. A continuation that followed eight matching tokens is
+    copied far more often than one that followed two, and prompt lookup's gain rests on
+    telling them apart; one score per bucket of four keeps the counts few enough to
+    learn online. 0 without a match."""
+    if match_length <= 0:
+        return 0.0
+    return min(max(match_length - min_ngram, 0), MATCH_SCORE_STEPS) / MATCH_SCORE_STEPS
+
 
 
 @dataclass(frozen=True)
@@ -321,13 +337,23 @@ class ContextIndex(_NgramIndex):
         """What followed the longest, most recent earlier occurrence of the suffix (in
         this context first, then in ``shared``), at most ``max_depth`` tokens; empty
         without a match. Prompt lookup's proposal, for copy chains."""
+        return self.best_match(max_depth, shared)[1]
+
+    def best_match(self, max_depth: int, shared: RecentOutputsIndex | None = None
+                   ) -> tuple[int, list[int]]:
+        """``(match length, continuation)`` of :meth:`best_continuation`; ``(0, [])``
+        without a match."""
         _check_at_least("max_depth", max_depth, 0)
         if max_depth == 0 or not self._tokens:
-            return []
+            return 0, []
         matches, _ = self._own_matches(1, max_depth)
-        if not matches and shared is not None:
-            matches = shared.matches(self._tokens[-shared.max_ngram:], 1, max_depth)
-        return list(matches[0][1]) if matches else []
+        if matches:
+            return int(matches[0][0]), list(matches[0][1])
+        if shared is not None:
+            found = shared.matches(self._tokens[-shared.max_ngram:], 1, max_depth)
+            if found:
+                return found[0][0], list(found[0][1])
+        return 0, []
 
     def propose(self, max_nodes: int, max_depth: int, max_matches: int,
                 shared: RecentOutputsIndex | None = None, *,

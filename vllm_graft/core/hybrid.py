@@ -43,6 +43,10 @@ class HybridTree:
     ancestor: [B, N+1, N+1] bool, ancestor[b, i, j]: row j is row i or one of its
               ancestors (the tree attention mask among tree rows)
     num_nodes: [B] valid rows, the root included
+    score:    [B, N+1] float, optional: what was known of each node when the tree was
+              built, in [0, 1] (the acceptance model's score, for example how long a
+              context match was; :class:`vllm_graft.core.budget.AcceptanceModel`);
+              None: nothing known beyond source and depth
     """
 
     tokens: torch.Tensor
@@ -52,10 +56,20 @@ class HybridTree:
     source: torch.Tensor
     ancestor: torch.Tensor
     num_nodes: torch.Tensor
+    score: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> HybridTree:
         """The same tree with every tensor on ``device``."""
-        return HybridTree(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return HybridTree(**{f.name: None if getattr(self, f.name) is None
+                             else getattr(self, f.name).to(device) for f in fields(self)})
+
+    def with_score(self, score: torch.Tensor | None) -> HybridTree:
+        """The same tree carrying ``score`` (``[B, N+1]``, see the class doc)."""
+        if score is not None and score.shape != self.tokens.shape:
+            raise ValueError(f"a tree score needs the shape of its tokens "
+                             f"{tuple(self.tokens.shape)}, got {tuple(score.shape)}")
+        return HybridTree(**{f.name: getattr(self, f.name) for f in fields(self)
+                             if f.name != "score"}, score=score)
 
     @property
     def max_depth(self) -> int:
@@ -188,10 +202,12 @@ def pad_to_budget(tree: HybridTree, vocab_size: int) -> HybridTree:
     depths = torch.where(pad, leaf_depth + 1, tree.depths)
     source = torch.where(pad, torch.full_like(tree.source, SOURCE_PAD), tree.source)
     valid = torch.ones_like(tree.valid)
+    score = None if tree.score is None else torch.where(pad, 0.0, tree.score)
     return HybridTree(
         tokens=tokens, parents=parents, depths=depths, valid=valid, source=source,
         ancestor=ancestor_mask(parents, valid, int(depths.max()) if depths.numel() else 0),
-        num_nodes=torch.full((batch,), rows, dtype=tree.num_nodes.dtype, device=device))
+        num_nodes=torch.full((batch,), rows, dtype=tree.num_nodes.dtype, device=device),
+        score=score)
 
 
 def trim_tree(tree: HybridTree, keep: torch.Tensor) -> HybridTree:
@@ -209,10 +225,11 @@ def trim_tree(tree: HybridTree, keep: torch.Tensor) -> HybridTree:
     depths = _scatter_rows(tree.depths, row_of, rows, 0)
     source = _scatter_rows(tree.source, row_of, rows, 0)
     valid = _scatter_rows(keep.to(torch.uint8), row_of, rows, 0).bool()
+    score = None if tree.score is None else _scatter_rows(tree.score, row_of, rows, 0)
     return HybridTree(
         tokens=tokens, parents=out_parents, depths=depths, valid=valid, source=source,
         ancestor=ancestor_mask(out_parents, valid, int(depths.max()) if depths.numel() else 0),
-        num_nodes=valid.sum(dim=1))
+        num_nodes=valid.sum(dim=1), score=score)
 
 
 def _scatter_rows(values: torch.Tensor, row_of: torch.Tensor, rows: int,

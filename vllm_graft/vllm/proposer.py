@@ -38,10 +38,10 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.spec_decode.eagle import EagleProposer
 
-from vllm_graft.core.budget import Choice, ThroughputGuard, TreeSizer
+from vllm_graft.core.budget import Choice, ThroughputGuard, TreeSizer, context_scores
 from vllm_graft.core.chain import build_chains, copied_to_tensor
 from vllm_graft.core.config import StepMode, TreeShape
-from vllm_graft.core.context import (ContextIndex, RecentOutputsIndex,
+from vllm_graft.core.context import (ContextIndex, RecentOutputsIndex, match_score,
                                      proposals_to_tensors)
 from vllm_graft.core.draft_tree import DraftStep
 from vllm_graft.core.graft import BuildStats, GraftTreeBuilder
@@ -74,10 +74,12 @@ class PendingTree:
     source: torch.Tensor  # [n] uint8
     stage: int = -1
     confidence: torch.Tensor | None = None  # [max_depth]
+    score: torch.Tensor | None = None  # [n] the acceptance model's (HybridTree.score)
 
     def truncated(self, rows: int) -> PendingTree:
         return PendingTree(self.tokens[:rows], self.parents[:rows], self.depths[:rows],
-                           self.source[:rows], self.stage, self.confidence)
+                           self.source[:rows], self.stage, self.confidence,
+                           None if self.score is None else self.score[:rows])
 
 
 @dataclass
@@ -339,6 +341,9 @@ class GraftTreeDrafting:
         partitions = self.partitions(runner, [req_ids[settled[i].batch_row] for i in drafting])
         tree, stats = self.tree_builder.build(roots.to(self.device), expander, context,
                                               partitions)
+        if context is not None and self.sizer is not None:  # the acceptance model's input
+            tree = tree.with_score(context_scores(tree.source, torch.tensor(
+                [match_score(p.match_length, config.min_ngram) for p in proposals])))
         self.last_build = stats
         if self.sizer is not None:
             tree, self.last_choice = self.sizer.trim(tree)
@@ -362,7 +367,8 @@ class GraftTreeDrafting:
         n = int(tree.num_nodes[t])
         pending = PendingTree(tree.tokens[t, :n].clone(), tree.parents[t, :n].clone(),
                               tree.depths[t, :n].clone(), tree.source[t, :n].clone(),
-                              stage, confidence)
+                              stage, confidence,
+                              None if tree.score is None else tree.score[t, :n].clone())
         self.pending[req_id] = pending
         drafts[batch_row] = pending.tokens[1:].tolist()
         return n
@@ -371,17 +377,21 @@ class GraftTreeDrafting:
                         roots: torch.Tensor, drafts: list[list[int]]) -> list[list[int]]:
         """The guard's cheap tier: a copy chain per request (:mod:`vllm_graft.core.chain`),
         no drafter forward."""
-        copied = [[] for _ in drafting]
+        matches = [(0, [])] * len(drafting)
         if self.uses_context:
-            copied = [self._context_index(runner, settled[i]).best_continuation(
+            matches = [self._context_index(runner, settled[i]).best_match(
                 self.chain_tokens, self.shared_context) for i in drafting]
         req_ids = runner.input_batch.req_ids
         matrix = self.matrix.for_batch(
             self.partitions(runner, [req_ids[settled[i].batch_row] for i in drafting]))
-        chains = build_chains(roots.to(self.device),
-                              copied_to_tensor(copied, self.chain_tokens, self.device),
-                              matrix, self.chain_tokens, self.chain_walk)
+        copied = copied_to_tensor([tokens for _, tokens in matches], self.chain_tokens,
+                                  self.device)
+        chains = build_chains(roots.to(self.device), copied, matrix, self.chain_tokens,
+                              self.chain_walk)
         if self.sizer is not None:  # a chain step's own cost is what the guard measures
+            min_ngram = self.context_config.min_ngram
+            chains = chains.with_score(context_scores(chains.source, torch.tensor(
+                [match_score(length, min_ngram) for length, _ in matches])))
             chains, _ = self.sizer.trim(chains, overhead_ms=0.0)
         chains = agree(chains.to("cpu"))
         nodes = 0

@@ -32,6 +32,7 @@ import torch
 from vllm.v1.outputs import SamplerOutput
 
 from vllm_graft.core.acceptance import AcceptanceResult, greedy_walk, walk_tree
+from vllm_graft.core.budget import UNKNOWN_SCORE
 from vllm_graft.core.config import StepMode
 from vllm_graft.core.graft import accepted_by_source
 from vllm_graft.core.hybrid import SOURCE_PAD, HybridTree, ancestor_mask
@@ -148,6 +149,8 @@ def _batch_trees(trees: list[VerifiedTree], batch: int) -> HybridTree:
     parents = torch.full((batch, rows), -1, dtype=torch.long)
     depths = torch.zeros((batch, rows), dtype=torch.long)
     source = torch.zeros((batch, rows), dtype=torch.uint8)
+    scored = any(t.tree.score is not None for t in trees)
+    score = torch.full((batch, rows), UNKNOWN_SCORE) if scored else None
     tokens[:, 0] = 0  # the root token itself is never matched
     for t in trees:
         n = t.tree.tokens.numel()
@@ -155,9 +158,12 @@ def _batch_trees(trees: list[VerifiedTree], batch: int) -> HybridTree:
         parents[t.batch_row, :n] = t.tree.parents
         depths[t.batch_row, :n] = t.tree.depths
         source[t.batch_row, :n] = t.tree.source
+        if t.tree.score is not None:
+            score[t.batch_row, :n] = t.tree.score
     valid = tokens >= 0
     return HybridTree(tokens=tokens, parents=parents, depths=depths, valid=valid,
-                      source=source, ancestor=torch.empty(0), num_nodes=valid.sum(1))
+                      source=source, ancestor=torch.empty(0), num_nodes=valid.sum(1),
+                      score=score)
 
 
 def _to_host(result: AcceptanceResult) -> AcceptanceResult:
