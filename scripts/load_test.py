@@ -67,6 +67,7 @@ class MethodRun:
     memory: list = field(default_factory=list)  # (seconds since start, MB)
     disconnects: int = 0
     nonstream: int = 0
+    graft_counters: dict = field(default_factory=dict)  # vllm:graft_* at the end
 
 
 # ---- prompts -------------------------------------------------------------------------
@@ -152,6 +153,24 @@ def resident_mb(root_pid: int) -> float:
 
 
 # ---- traffic ------------------------------------------------------------------------------
+def graft_counters(base: str) -> dict:
+    """Graft's Prometheus counters on the server (``vllm:graft_*_total``, summed over
+    labels; empty for a server without Graft): what the throughput guard chose."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=60) as response:
+        return parse_graft_counters(response.read().decode())
+
+
+def parse_graft_counters(text: str) -> dict:
+    counters: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:graft_") or "_total" not in line.split(" ")[0]:
+            continue
+        name = line.split("{")[0].split(" ")[0].removeprefix("vllm:graft_")
+        counters[name.removesuffix("_total")] = (
+            counters.get(name.removesuffix("_total"), 0.0) + float(line.rsplit(" ", 1)[1]))
+    return counters
+
+
 def post(base: str, body: dict, timeout: float = 600) -> dict:
     request = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
@@ -346,6 +365,7 @@ def summarize(run: MethodRun, reference: MethodRun | None, warmup_s: float = WAR
         "deterministic_compared": compared, "deterministic_identical": identical,
         "mismatches": mismatches,
         **memory_figures(run.memory, warmup_s),
+        "graft_counters": run.graft_counters,
         "memory_trace": run.memory,
     }
 
@@ -459,6 +479,14 @@ def render(out: Path) -> None:
         "Requests counted: all sent (disconnected streams excluded). Deterministic: "
         "greedy, greedy with penalties, structured output and non-streaming greedy "
         "requests, compared with plain decoding's answer to the same request.", ""]
+    for s in summaries:
+        counters = s.get("graft_counters") or {}
+        steps = {mode: int(counters.get(f"guard_{mode}_steps", 0))
+                 for mode in ("tree", "chain", "plain")}
+        if any(steps.values()):
+            lines += [f"{s['method']}: the throughput guard ran "
+                      + ", ".join(f"{n} {mode}" for mode, n in steps.items())
+                      + " steps.", ""]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     plot(out / "load.png", summaries, warmup_s)
 
@@ -574,6 +602,7 @@ def main(argv=None) -> int:
             post(base, {"model": str(model), "prompt": "Hello", "max_tokens": 8})
             print(f"load test: {name}: {args.duration:.0f} s of load", flush=True)
             load_phase(base, str(model), server.pid, prompts, args.duration, work / name, run)
+            run.graft_counters = graft_counters(base)
             if name == "plain":
                 replayed = replay_missing(base, str(model), prompts, run, runs)
                 print(f"load test: plain answered {replayed} requests it had not seen",

@@ -54,3 +54,16 @@ def test_the_floor_holds_under_a_saw_tooth_and_climbs_with_a_leak(load_test):
     floor = load_test.floor_trend(leaking, warmup_s=120)
     assert floor["memory_mb_floor_per_min"] == pytest.approx(15.0, abs=1.0)
     assert load_test.floor_trend(trimmed[:10], warmup_s=120)["memory_mb_floor_first"] is None
+
+
+def test_graft_counters_are_read_from_prometheus_text(load_test):
+    text = "\n".join([
+        "# HELP vllm:graft_guard_tree_steps_total Steps ...",
+        "# TYPE vllm:graft_guard_tree_steps_total counter",
+        'vllm:graft_guard_tree_steps_total{engine="0",model_name="m"} 12.0',
+        'vllm:graft_guard_plain_steps_total{engine="0",model_name="m"} 30.0',
+        'vllm:graft_guard_plain_steps_total{engine="1",model_name="m"} 5.0',
+        'vllm:graft_guard_plain_steps_created{engine="0",model_name="m"} 1.7e9',
+        'vllm:num_requests_running{engine="0"} 3.0'])
+    assert load_test.parse_graft_counters(text) == {"guard_tree_steps": 12.0,
+                                                    "guard_plain_steps": 35.0}
