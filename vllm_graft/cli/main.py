@@ -76,9 +76,25 @@ def _has_gpu() -> bool:
     return subprocess.run([smi, "-L"], capture_output=True).returncode == 0
 
 
+#: oneDNN primitive cache capacity of a CPU server (oneDNN's own default: 1,024)
+SERVER_ONEDNN_PRIMITIVE_CACHE = "128"
+
+
+def cpu_server_defaults(environ=os.environ) -> None:
+    """A CPU server's resident size is flat after a short warm-up with oneDNN's
+    primitive cache capped at 128 entries: each new number of query rows builds one
+    primitive per weight shape (about 290 KB each for SmolLM2-135M), and a speculative
+    server's forwards meet many row counts, so the default 1,024 entries fill only after
+    10-20 minutes of traffic and some 300 MB. Measured: no speed difference under the
+    load test (README, "A flat resident size"). A value already set is kept."""
+    if not _has_gpu():
+        environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", SERVER_ONEDNN_PRIMITIVE_CACHE)
+
+
 def serve(argv: list[str]) -> int:
     _fix_vllm_version_lookup()
     cpu_runtime_defaults()
+    cpu_server_defaults()
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", "serve", *argv]
