@@ -166,8 +166,8 @@ def parse_graft_counters(text: str) -> dict:
         if not line.startswith("vllm:graft_") or "_total" not in line.split(" ")[0]:
             continue
         name = line.split("{")[0].split(" ")[0].removeprefix("vllm:graft_")
-        counters[name.removesuffix("_total")] = (
-            counters.get(name.removesuffix("_total"), 0.0) + float(line.rsplit(" ", 1)[1]))
+        name = name.removesuffix("_total")
+        counters[name] = counters.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return counters
 
 

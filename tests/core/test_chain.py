@@ -91,18 +91,18 @@ def test_bad_shapes_are_refused():
         build_chains(torch.tensor([1]), torch.zeros(1, 2, dtype=torch.long), matrix, 2, -1)
 
 
-def test_best_continuation_is_the_longest_then_most_recent_match():
+def test_best_match_is_the_longest_then_most_recent_match():
     index = ContextIndex(min_ngram=2, max_ngram=4)
     #            0  1  2  3  4  5  6  7  8  9 10 11 12
     index.extend([1, 2, 3, 4, 9, 2, 3, 5, 6, 1, 2, 3])
     # suffix (1, 2, 3) occurs at 0..2 (followed by 4, 9, ...); (2, 3) also at 5..6
-    assert index.best_continuation(3) == [4, 9, 2]
+    assert index.best_match(3)[1] == [4, 9, 2]
     index.extend([7])
-    assert index.best_continuation(4) == []  # (3, 7) never occurred before
-    assert index.best_continuation(0) == []
+    assert index.best_match(4)[1] == []  # (3, 7) never occurred before
+    assert index.best_match(0)[1] == []
     shared = RecentOutputsIndex(max_tokens=100, min_ngram=2, max_ngram=4)
     shared.add([3, 7, 8, 8])
-    assert index.best_continuation(2, shared) == [8, 8]
+    assert index.best_match(2, shared)[1] == [8, 8]
 
 
 def test_the_sizer_cuts_chains_where_verifying_them_costs():

@@ -66,7 +66,6 @@ def match_score(match_length: int, min_ngram: int) -> float:
     return min(max(match_length - min_ngram, 0), MATCH_SCORE_STEPS) / MATCH_SCORE_STEPS
 
 
-
 @dataclass(frozen=True)
 class ContextProposal:
     """One request's context-retrieved subtree under the root, parents first.
@@ -332,17 +331,12 @@ class ContextIndex(_NgramIndex):
                     return matches, longest
         return matches, longest
 
-    def best_continuation(self, max_depth: int,
-                          shared: RecentOutputsIndex | None = None) -> list[int]:
-        """What followed the longest, most recent earlier occurrence of the suffix (in
-        this context first, then in ``shared``), at most ``max_depth`` tokens; empty
-        without a match. Prompt lookup's proposal, for copy chains."""
-        return self.best_match(max_depth, shared)[1]
-
     def best_match(self, max_depth: int, shared: RecentOutputsIndex | None = None
                    ) -> tuple[int, list[int]]:
-        """``(match length, continuation)`` of :meth:`best_continuation`; ``(0, [])``
-        without a match."""
+        """``(match length, continuation)``: what followed the longest, most recent
+        earlier occurrence of the suffix (in this context first, then in ``shared``), at
+        most ``max_depth`` tokens; ``(0, [])`` without a match. Prompt lookup's
+        proposal, for copy chains."""
         _check_at_least("max_depth", max_depth, 0)
         if max_depth == 0 or not self._tokens:
             return 0, []

@@ -15,7 +15,7 @@ so the kept set is prefix-closed and the flattened order is parents-first.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -68,8 +68,7 @@ class HybridTree:
         if score is not None and score.shape != self.tokens.shape:
             raise ValueError(f"a tree score needs the shape of its tokens "
                              f"{tuple(self.tokens.shape)}, got {tuple(score.shape)}")
-        return HybridTree(**{f.name: getattr(self, f.name) for f in fields(self)
-                             if f.name != "score"}, score=score)
+        return replace(self, score=score)
 
     @property
     def max_depth(self) -> int:

@@ -342,8 +342,7 @@ class GraftTreeDrafting:
         tree, stats = self.tree_builder.build(roots.to(self.device), expander, context,
                                               partitions)
         if context is not None and self.sizer is not None:  # the acceptance model's input
-            tree = tree.with_score(context_scores(tree.source, torch.tensor(
-                [match_score(p.match_length, config.min_ngram) for p in proposals])))
+            tree = self._scored_by_match(tree, [p.match_length for p in proposals])
         self.last_build = stats
         if self.sizer is not None:
             tree, self.last_choice = self.sizer.trim(tree)
@@ -373,6 +372,13 @@ class GraftTreeDrafting:
         drafts[batch_row] = pending.tokens[1:].tolist()
         return n
 
+    def _scored_by_match(self, tree, match_lengths: list[int]):
+        """``tree`` with its copied nodes scored by their request's context match
+        (:func:`vllm_graft.core.context.match_score`), for the sizer's acceptance model."""
+        min_ngram = self.context_config.min_ngram
+        return tree.with_score(context_scores(tree.source, torch.tensor(
+            [match_score(length, min_ngram) for length in match_lengths])))
+
     def _propose_chains(self, runner, settled: list[SettledRows], drafting: list[int],
                         roots: torch.Tensor, drafts: list[list[int]]) -> list[list[int]]:
         """The guard's cheap tier: a copy chain per request (:mod:`vllm_graft.core.chain`),
@@ -389,9 +395,7 @@ class GraftTreeDrafting:
         chains = build_chains(roots.to(self.device), copied, matrix, self.chain_tokens,
                               self.chain_walk)
         if self.sizer is not None:  # a chain step's own cost is what the guard measures
-            min_ngram = self.context_config.min_ngram
-            chains = chains.with_score(context_scores(chains.source, torch.tensor(
-                [match_score(length, min_ngram) for length, _ in matches])))
+            chains = self._scored_by_match(chains, [length for length, _ in matches])
             chains, _ = self.sizer.trim(chains, overhead_ms=0.0)
         chains = agree(chains.to("cpu"))
         nodes = 0
