@@ -12,6 +12,7 @@ import torch
 from vllm_graft.core.acceptance import SamplingBatch, accept_tree
 from vllm_graft.core.budget import (AcceptanceModel, CostModel, TreeSizer, choose_nodes,
                                     path_probability)
+from vllm_graft.core.config import StepMode
 from vllm_graft.core.hybrid import (SOURCE_DRAFT, SOURCE_RETRIEVED, HybridTree,
                                     ancestor_mask, trim_tree)
 
@@ -241,15 +242,71 @@ def test_sizer_learns_acceptance_and_cuts_where_nodes_do_not_pay():
     assert trimmed.num_nodes.tolist() == (choice.nodes_per_request + 1).tolist()
 
 
-def test_frozen_profile_ignores_measurements_and_overhead_is_averaged():
-    frozen = CostModel(curves={1: ([1.0, 2.0], [10.0, 11.0])}, overhead_ms=3.0, frozen=True)
+def test_frozen_profile_ignores_measurements():
+    frozen = CostModel(curves={1: ([1.0, 2.0], [10.0, 11.0])}, overhead_ms=3.0,
+                       per_node_ms=0.5, frozen=True)
     frozen.observe(1, 1, 50.0)
-    frozen.observe_overhead(40.0)
-    assert frozen.curves[1][1] == [10.0, 11.0] and frozen.overhead_ms == 3.0
-    live = CostModel(curves={1: ([1.0, 2.0], [10.0, 11.0])})
-    live.observe_overhead(10.0)
-    live.observe_overhead(20.0, rate=0.5)
-    assert live.overhead_ms == pytest.approx(15.0)
+    for nodes in range(1, 20):
+        frozen.observe_step(StepMode.TREE, 1, nodes, 100.0 + 10 * nodes, 10.0)
+    assert frozen.curves[1][1] == [10.0, 11.0]
+    assert frozen.other_costs(1, StepMode.TREE) == (0.0, 3.0, 0.5)
+
+
+def test_step_costs_learn_each_modes_fixed_and_per_node_cost_from_whole_steps():
+    """Whole steps less their forwards are points (nodes, ms) of a line per mode: the
+    fixed part per batch bucket (drafting grows with the batch), the part per node
+    shared by the buckets, plain decoding's own fixed part too; noisy steps and a stall
+    of the host do not move them far."""
+    generator = torch.Generator().manual_seed(0)
+    cost = CostModel(curves={1: ([1.0, 64.0], [10.0, 10.0])}, overhead_ms=1.0)
+    truth = {StepMode.TREE: ({1: 20.0, 8: 45.0}, 1.5), StepMode.CHAIN: ({1: 6.0, 8: 9.0}, 0.8)}
+    plain = {1: 4.0, 8: 7.0}
+    for step in range(600):
+        batch = (1, 8)[step % 2]
+        nodes = int(torch.randint(1, 4 * batch + 8, (1,), generator=generator))
+        noise = float(torch.randn(1, generator=generator)) * 2.0
+        for mode, (fixed, per_node) in truth.items():
+            cost.observe_step(mode, batch, nodes, 30.0 + fixed[batch] + per_node * nodes
+                              + noise, forward_ms=30.0)
+        cost.observe_step(StepMode.PLAIN, batch, 0, 30.0 + plain[batch] + noise, 30.0)
+    cost.observe_step(StepMode.TREE, 1, 3, 5000.0, 30.0)  # the host stalled
+    for mode, (fixed, per_node) in truth.items():
+        for batch in (1, 8):
+            got_plain, got_fixed, got_per_node = cost.other_costs(batch, mode)
+            assert got_plain == pytest.approx(plain[batch], abs=0.5)
+            assert got_fixed == pytest.approx(fixed[batch], abs=2.5 if mode is StepMode.TREE
+                                              and batch == 1 else 1.5), (mode, batch)
+            assert got_per_node == pytest.approx(per_node, abs=0.15), mode
+    # a batch size between buckets uses the nearest measured one
+    assert cost.other_costs(6, StepMode.CHAIN)[1] == pytest.approx(9.0, abs=1.5)
+    # plain decoding not among the modes: verifying nothing saves nothing of a chain's cost
+    chains_only = CostModel(curves={1: ([1.0, 64.0], [10.0, 10.0])})
+    for nodes in range(1, 30):
+        chains_only.observe_step(StepMode.CHAIN, 1, nodes % 5, 30.0 + nodes % 5, 10.0)
+    plain_ms, fixed_ms, _ = chains_only.other_costs(1, StepMode.CHAIN)
+    assert plain_ms == fixed_ms == pytest.approx(20.0, abs=1.5)
+    # steps of one size only: the slope stays near its prior instead of swinging
+    even = CostModel(curves={1: ([1.0, 64.0], [10.0, 10.0])}, per_node_ms=0.3)
+    for _ in range(3):
+        even.observe_step(StepMode.TREE, 1, 4, 40.0, 10.0)
+    assert even.other_costs(1, StepMode.TREE)[2] == pytest.approx(0.3)
+
+
+def test_the_sizer_verifies_fewer_nodes_once_it_has_learned_their_cost():
+    """On a curve that is flat in query tokens the forward alone makes every likely node
+    free; a per-node cost measured from whole steps makes the sizer cut the tree, and
+    a tree step's fixed cost is paid only by steps that verify a node."""
+    cost = CostModel(curves={1: ([1.0, 64.0], [20.0, 20.0])})
+    parents, _, valid, prob = bushy_tree(1, 60)
+    before = int(choose_nodes(prob, valid, cost).nodes_per_request[0])
+    for step in range(200):
+        nodes = 1 + step % 12
+        cost.observe_step(StepMode.TREE, 1, nodes, 20.0 + 5.0 + 3.0 * nodes, 20.0)
+        cost.observe_step(StepMode.PLAIN, 1, 0, 22.0, 20.0)
+    after = int(choose_nodes(prob, valid, cost).nodes_per_request[0])
+    assert 0 < after < before
+    step_ms = cost.step_ms(1, torch.tensor([0, 1, 10]))
+    assert step_ms.tolist() == pytest.approx([22.0, 28.0, 55.0], abs=0.5)
 
 
 def test_acceptance_model_learns_context_copies_as_their_own_source():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from vllm_graft.core.chain import build_chains, copied_to_tensor
+from vllm_graft.core.config import StepMode
 from vllm_graft.core.context import ContextIndex, RecentOutputsIndex
 from vllm_graft.core.hybrid import SOURCE_CONTEXT, SOURCE_RETRIEVED
 from vllm_graft.core.successor import SuccessorMatrix
@@ -114,13 +115,13 @@ def test_the_sizer_cuts_chains_where_verifying_them_costs():
     chains = build_chains(torch.arange(4), copied_to_tensor([[9, 9, 9]] * 4, 8), matrix, 8)
     acceptance = AcceptanceModel(prior_accepts=3.0, prior_trials=4.0, explore=0.0)  # 3/4
     flat = CostModel(curves={1: ([1.0, 64.0], [10.0, 10.0])}, overhead_ms=50.0)
-    kept, _ = TreeSizer(flat, acceptance).trim(chains, overhead_ms=0.0)
+    kept, _ = TreeSizer(flat, acceptance).trim(chains, mode=StepMode.CHAIN)
     assert kept.num_nodes.tolist() == [9] * 4
     # the tree overhead would make the same chains not worth verifying at all
     dropped, _ = TreeSizer(flat, acceptance).trim(chains)
     assert dropped.num_nodes.tolist() == [1] * 4
     steep = CostModel(curves={1: ([1.0, 64.0], [10.0, 100.0])})
-    cut, _ = TreeSizer(steep, acceptance).trim(chains, overhead_ms=0.0)
+    cut, _ = TreeSizer(steep, acceptance).trim(chains, mode=StepMode.CHAIN)
     assert 1 < int(cut.num_nodes[0]) < 9
     n = int(cut.num_nodes[0])
     assert cut.tokens[0, :n].tolist() == chains.tokens[0, :n].tolist()  # a prefix
@@ -168,7 +169,7 @@ def test_the_sizer_keeps_long_chains_for_long_matches_and_cuts_short_ones():
                               matrix, 5)
         chains = chains.with_score(context_scores(chains.source, torch.tensor(
             [match_score(n, 2) for n in lengths])))
-        trimmed, _ = sizer.trim(chains, overhead_ms=0.0)
+        trimmed, _ = sizer.trim(chains, mode=StepMode.CHAIN)
         accepted = torch.full((4, 6), -1, dtype=torch.long)
         for b, n in enumerate(lengths):
             depth = 0
@@ -181,7 +182,7 @@ def test_the_sizer_keeps_long_chains_for_long_matches_and_cuts_short_ones():
     chains = build_chains(torch.arange(2), copied_to_tensor([[9] * 5] * 2, 5), matrix, 5)
     chains = chains.with_score(context_scores(chains.source, torch.tensor(
         [match_score(6, 2), match_score(2, 2)])))
-    trimmed, _ = sizer.trim(chains, overhead_ms=0.0)
+    trimmed, _ = sizer.trim(chains, mode=StepMode.CHAIN)
     assert trimmed.score is not None
     assert trimmed.num_nodes.tolist()[0] >= 5  # (nearly) the whole chain of a long match
     assert trimmed.num_nodes.tolist()[1] <= 2  # at most one copy after a short one

@@ -83,6 +83,13 @@ def guard_state(worker) -> dict:
                           if guard.preferred(b) is not None}}
 
 
+def step_cost_lines(worker) -> dict:
+    """What the sizer learned each mode's step costs besides the forward: (fixed ms, ms
+    per node) per mode at batch 4, None where it measured no step."""
+    cost = worker.model_runner.drafter.sizer.cost
+    return {mode.value: cost.steps.line(4, mode) for mode in cost.steps.modes()}
+
+
 def test_throughput_guard_decodes_in_the_measured_fastest_mode(tiny_models, plain_outputs,
                                                                tmp_path, monkeypatch):
     """Long greedy generations at one batch size: the guard measures every mode, then
@@ -96,8 +103,13 @@ def test_throughput_guard_decodes_in_the_measured_fastest_mode(tiny_models, plai
         llm.generate(PROMPTS[4:8], SamplingParams(temperature=0.0, max_tokens=160,
                                                   ignore_eos=True), use_tqdm=False)
         state = llm.collective_rpc(guard_state)[0]
+        lines = llm.collective_rpc(step_cost_lines)[0]
         metrics = spec_metrics(llm)
     assert state["preferred"].get(4) is not None, state  # every mode measured at batch 4
+    # the sizer learned from the same whole steps what each mode costs besides the
+    # forward: a tree step's drafting makes it dearer than plain decoding's
+    assert set(lines) == {"tree", "chain", "plain"}, lines
+    assert lines["tree"][0] > lines["plain"][0] > 0, lines
     steps = {mode: metrics[f"graft_guard_{mode}_steps"] for mode in ("tree", "chain", "plain")}
     fastest = steps.pop(state["preferred"][4])
     assert fastest > 2 * max(steps.values()), (state, fastest, steps)

@@ -5,9 +5,10 @@ GPU has idle compute, then linearly), and a node is only worth its tokens if it 
 likely to be accepted. Three pieces, all batched and device-agnostic:
 
 * :class:`CostModel`: step time in ms as a function of the batch size and the batch's
-  total query tokens, piecewise linear through measured points (a start-up profile or
-  ``scripts/gpu_check.sh``'s cost curve), plus Graft's fixed per-step cost and its cost
-  per verified node; refreshed online from measured steps.
+  total query tokens: the target's forward, piecewise linear through measured points (a
+  start-up profile or ``scripts/gpu_check.sh``'s cost curve), plus what a step costs
+  besides the forward in each mode, a fixed part and a part per verified node
+  (:class:`StepCosts`, learned from whole steps); refreshed online from measured steps.
 * :class:`AcceptanceModel`: the probability that a node is accepted given that its
   parent was, per (source, depth, score bucket), learned online from verified trees
   (Beta counts seeded by a prior). A node's probability of lying on the accepted path
@@ -43,6 +44,11 @@ UNKNOWN_SCORE = 0.5
 
 
 # ---- cost ------------------------------------------------------------------------------
+def batch_bucket(batch: int) -> int:
+    """Step measurements are kept per power-of-two batch bucket (1, 2, 4, 8, ...)."""
+    return 1 << max(batch - 1, 0).bit_length()
+
+
 def non_decreasing(values: list[float]) -> list[float]:
     """The least-squares non-decreasing fit of ``values`` (pool adjacent violators):
     each run that decreases is replaced by its mean."""
@@ -57,21 +63,113 @@ def non_decreasing(values: list[float]) -> list[float]:
 
 
 @dataclass
+class _LineSums:
+    """Discounted sums of one (batch bucket, mode)'s steps: weight, nodes, cost, their
+    squares and product, for a least-squares line of cost against nodes."""
+
+    weight: float = 0.0
+    x: float = 0.0
+    y: float = 0.0
+    xx: float = 0.0
+    xy: float = 0.0
+
+    def add(self, x: float, y: float, keep: float) -> None:
+        self.weight = keep * self.weight + 1.0
+        self.x = keep * self.x + x
+        self.y = keep * self.y + y
+        self.xx = keep * self.xx + x * x
+        self.xy = keep * self.xy + x * y
+
+    def centred(self) -> tuple[float, float]:
+        """(sum of (x - mean)^2, sum of (x - mean)(y - mean))."""
+        return (self.xx - self.x * self.x / self.weight,
+                self.xy - self.x * self.y / self.weight)
+
+
+@dataclass
+class StepCosts:
+    """What a decoding step costs besides the target's forward, per mode, learned from
+    whole steps: ``fixed + per_node * nodes`` for a step that verifies ``nodes`` nodes.
+
+    The forward curve alone leaves out everything else a step pays: the engine's own
+    scheduling and sampling (plain decoding pays it too), the drafter's forwards, and
+    Graft's work per verified node (its row of logits, sampling, tree attention set-up,
+    the matrix update). A sizer that knows only the forward verifies nodes whose real
+    cost it never sees (humaneval at batch 1: 3.7 tokens verified per step for 1.6
+    accepted, slower than plain). So each measured step's time less its measured
+    forward is a point ``(nodes, extra ms)`` of its mode: the fixed part is fitted per
+    batch bucket (drafting grows with the batch), the per-node part per mode over all
+    buckets (a node costs about the same whatever the batch), each a discounted least
+    squares line (one ``window``-th forgotten per step of the bucket and mode), the
+    slope shrunk toward its prior by ``slope_prior_weight`` (in nodes squared) so a few
+    steps of equal size do not decide it. A point far above the line (a stall of the
+    host, say) counts as at most ``outlier_factor`` times the prediction."""
+
+    window: float = 200.0
+    slope_prior_weight: float = 32.0
+    outlier_factor: float = 4.0
+    sums: dict[tuple[int, StepMode], _LineSums] = field(default_factory=dict)
+
+    def observe(self, mode: StepMode, batch: int, nodes: int, extra_ms: float,
+                prior_per_node_ms: float = 0.0) -> None:
+        if batch <= 0 or nodes < 0 or not math.isfinite(extra_ms):
+            return
+        key = (batch_bucket(batch), mode)
+        sums = self.sums.get(key)
+        if sums is not None and sums.weight >= 8:
+            fixed, per_node = self.line(batch, mode, prior_per_node_ms)
+            extra_ms = min(extra_ms, self.outlier_factor * (fixed + per_node * nodes) + 1.0)
+        self.sums.setdefault(key, _LineSums()).add(float(nodes), max(extra_ms, 0.0),
+                                                   1.0 - 1.0 / self.window)
+
+    def modes(self) -> list[StepMode]:
+        """The modes with measured steps, in :class:`StepMode` order."""
+        return [mode for mode in StepMode if any(kind is mode for _, kind in self.sums)]
+
+    def per_node_ms(self, mode: StepMode, prior: float = 0.0) -> float:
+        """The mode's cost per verified node, pooled over batch buckets (each centred
+        on its own mean, so buckets' different fixed costs do not tilt the slope)."""
+        spread = covariance = 0.0
+        for (_, kind), sums in self.sums.items():
+            if kind is mode and sums.weight > 0:
+                xx, xy = sums.centred()
+                spread, covariance = spread + xx, covariance + xy
+        weight = self.slope_prior_weight
+        return max((covariance + weight * prior) / (spread + weight), 0.0)
+
+    def line(self, batch: int, mode: StepMode,
+             prior_per_node_ms: float = 0.0) -> tuple[float, float] | None:
+        """``(fixed_ms, per_node_ms)`` of ``mode`` at ``batch``, from its batch bucket
+        or else the nearest one measured; None while the mode has no measured step."""
+        measured = [size for size, kind in self.sums if kind is mode]
+        if not measured:
+            return None
+        bucket = batch_bucket(batch)
+        nearest = min(measured, key=lambda size: (abs(math.log2(size / bucket)), size))
+        sums = self.sums[(nearest, mode)]
+        per_node = self.per_node_ms(mode, prior_per_node_ms)
+        return max((sums.y - per_node * sums.x) / sums.weight, 0.0), per_node
+
+
+@dataclass
 class CostModel:
-    """Step time (ms) = verification forward + Graft's fixed cost + per-node cost.
+    """Step time (ms) = verification forward + the step's other costs in its mode.
 
     ``curves`` maps a batch size to ``(tokens, ms)``: increasing total query tokens of
     the batch and the forward's time there. Between measured batch sizes the time is
     interpolated linearly; past the last point of a curve it grows with the curve's last
-    slope. ``overhead_ms`` (drafting, bookkeeping per step) and ``per_node_ms`` (Graft's
-    work per verified node) are added to every step that verifies a tree.
+    slope. The other costs are learned from whole steps (:class:`StepCosts`); until a
+    mode has run, and always for a ``frozen`` profile, a tree step pays ``overhead_ms``
+    (drafting, bookkeeping) on top of plain decoding's, a chain step what plain decoding
+    pays, and both ``per_node_ms`` (Graft's work per verified node).
     """
 
     curves: dict[int, tuple[list[float], list[float]]]
     overhead_ms: float = 0.0
     per_node_ms: float = 0.0
     key: dict[str, str] = field(default_factory=dict)  # model, device, dtype, layout
-    frozen: bool = False  # a pinned profile: no online refresh of curves or overhead
+    frozen: bool = False  # a pinned profile: no online refresh of curves or step costs
+    steps: StepCosts = field(default_factory=StepCosts)
 
     def __post_init__(self):
         if not self.curves:
@@ -104,15 +202,35 @@ class CostModel:
         return low + weight * (high - low)
 
     def step_ms(self, batch: int, nodes: torch.Tensor,
-                overhead_ms: float | None = None) -> torch.Tensor:
-        """Time of a step that verifies ``nodes`` tree nodes in total (plus the batch's
-        roots); a step with no node is plain decoding and pays no Graft overhead.
-        ``overhead_ms`` replaces the tree steps' fixed cost (copy chains have their own)."""
+                mode: StepMode = StepMode.TREE) -> torch.Tensor:
+        """Time of a ``mode`` step that verifies ``nodes`` nodes in total (plus the
+        batch's roots); a step with no node is plain decoding and pays what it does."""
         nodes = nodes.to(torch.float64)
-        fixed = self.overhead_ms if overhead_ms is None else overhead_ms
-        graft = torch.where(nodes > 0, fixed + self.per_node_ms * nodes,
-                            torch.zeros_like(nodes))
-        return self.verify_ms(batch, batch + nodes) + graft
+        plain, fixed, per_node = self.other_costs(batch, mode)
+        other = torch.where(nodes > 0, fixed + per_node * nodes, torch.full_like(nodes, plain))
+        return self.verify_ms(batch, batch + nodes) + other
+
+    def other_costs(self, batch: int, mode: StepMode) -> tuple[float, float, float]:
+        """What a step at ``batch`` costs besides the forward: ``(plain decoding's,
+        mode's fixed, mode's per node)`` ms (class doc)."""
+        learned = None if self.frozen else self.steps.line(batch, mode, self.per_node_ms)
+        plain_line = None if self.frozen else self.steps.line(batch, StepMode.PLAIN)
+        if learned is None:
+            plain = 0.0 if plain_line is None else plain_line[0]
+            fixed = plain + (self.overhead_ms if mode is StepMode.TREE else 0.0)
+            return plain, fixed, self.per_node_ms
+        # plain decoding never measured (not among the guard's modes): verifying no node
+        # is assumed to save nothing of the mode's fixed cost
+        plain = learned[0] if plain_line is None else plain_line[0]
+        return plain, learned[0], learned[1]
+
+    def observe_step(self, mode: StepMode, batch: int, nodes: int, step_ms: float,
+                     forward_ms: float) -> None:
+        """One whole decoding step of ``mode`` (``nodes`` verified, none for plain
+        decoding) took ``step_ms``, its forward ``forward_ms``; a frozen profile keeps
+        its own costs."""
+        if not self.frozen:
+            self.steps.observe(mode, batch, nodes, step_ms - forward_ms, self.per_node_ms)
 
     def _curve_ms(self, batch: int, tokens: torch.Tensor) -> torch.Tensor:
         xs = torch.tensor(self.curves[batch][0], dtype=torch.float64, device=tokens.device)
@@ -147,14 +265,6 @@ class CostModel:
         self.curves[nearest] = (tokens, non_decreasing(ms))
 
     # persistence: a profile is cached per (model, device, dtype, parallel layout)
-    def observe_overhead(self, spent_ms: float, rate: float = 0.2) -> None:
-        """Track what speculating costs a step besides verification (drafting,
-        bookkeeping), as a moving average; a frozen profile keeps its own."""
-        if self.frozen:
-            return
-        self.overhead_ms = spent_ms if self.overhead_ms == 0 else (
-            (1 - rate) * self.overhead_ms + rate * spent_ms)
-
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps({
             "key": self.key, "overhead_ms": self.overhead_ms, "per_node_ms": self.per_node_ms,
@@ -304,10 +414,10 @@ class Choice:
 
 
 def choose_nodes(path_prob: torch.Tensor, valid: torch.Tensor, cost: CostModel,
-                 max_nodes: int | None = None, overhead_ms: float | None = None) -> Choice:
+                 max_nodes: int | None = None, mode: StepMode = StepMode.TREE) -> Choice:
     """The nodes whose verification maximises expected emitted tokens per millisecond
     for the whole batch (module doc). ``path_prob``/``valid``: ``[B, N]``, row 0 the root;
-    ``max_nodes`` caps the total; ``overhead_ms``: see :meth:`CostModel.step_ms`."""
+    ``max_nodes`` caps the total; ``mode``: the kind of step, whose costs apply."""
     batch, rows = path_prob.shape
     device = path_prob.device
     candidate = valid.clone()
@@ -324,7 +434,7 @@ def choose_nodes(path_prob: torch.Tensor, valid: torch.Tensor, cost: CostModel,
                        flat[order[:available]].cumsum(0)])
     counts = torch.arange(available + 1, device=device)
     expected = batch + gains
-    time = cost.step_ms(batch, counts, overhead_ms)
+    time = cost.step_ms(batch, counts, mode)
     best = int(torch.argmax(expected / time))
     keep = torch.zeros(batch * rows, dtype=torch.bool, device=device)
     keep[order[:best]] = True
@@ -396,13 +506,8 @@ class ThroughputGuard:
         if not self.modes or len(set(self.modes)) != len(self.modes):
             raise ValueError(f"ThroughputGuard needs distinct modes, got {self.modes}")
 
-    @staticmethod
-    def bucket(batch: int) -> int:
-        """Batch sizes are measured in power-of-two buckets (1, 2, 4, 8, ...)."""
-        return 1 << max(batch - 1, 0).bit_length()
-
     def _stats(self, batch: int, mode: StepMode) -> _ModeStats | None:
-        stats = self.stats.get((self.bucket(batch), mode))
+        stats = self.stats.get((batch_bucket(batch), mode))
         return None if stats is None else stats.decayed(self.steps, 1.0 - 1.0 / self.window)
 
     def rate_of(self, batch: int, mode: StepMode) -> float | None:
@@ -450,7 +555,7 @@ class ThroughputGuard:
         less ``unavailable`` ones (a mode no request of the batch can run this step:
         its step would be another mode's and measure nothing of its own)."""
         self.steps += 1
-        bucket = self.bucket(batch)
+        bucket = batch_bucket(batch)
         modes = [mode for mode in self.modes if mode not in unavailable] or [StepMode.PLAIN]
         for mode in modes:  # first measure every mode
             if self.measured.get((bucket, mode), 0) < self.probe_steps:
@@ -463,7 +568,7 @@ class ThroughputGuard:
         ``seconds``, in the given mode."""
         if seconds <= 0 or batch <= 0:
             return
-        key = (self.bucket(batch), mode)
+        key = (batch_bucket(batch), mode)
         stats = self._stats(batch, mode) or _ModeStats(step=self.steps)
         self.stats[key] = _ModeStats(stats.weight + 1.0, stats.tokens + tokens,
                                      stats.tokens_sq + tokens * tokens,
@@ -489,16 +594,17 @@ class TreeSizer:
             tree.tokens.shape, UNKNOWN_SCORE, dtype=torch.float64, device=tree.tokens.device)
 
     def choose(self, tree: HybridTree, score: torch.Tensor | None = None,
-               overhead_ms: float | None = None) -> Choice:
+               mode: StepMode = StepMode.TREE) -> Choice:
         conditional = self.acceptance.optimistic(tree.source, tree.depths,
                                                  self._score(tree, score))
         prob = path_probability(tree.parents, tree.depths, tree.valid, conditional)
-        return choose_nodes(prob, tree.valid, self.cost, overhead_ms=overhead_ms)
+        return choose_nodes(prob, tree.valid, self.cost, mode=mode)
 
     def trim(self, tree: HybridTree, score: torch.Tensor | None = None,
-             overhead_ms: float | None = None) -> tuple[HybridTree, Choice]:
-        """``overhead_ms``: the fixed cost of the step kind (default: tree steps')."""
-        choice = self.choose(tree, score, overhead_ms)
+             mode: StepMode = StepMode.TREE) -> tuple[HybridTree, Choice]:
+        """``mode``: the kind of step the tree is verified in (a copy chain's costs
+        are not a drafted tree's)."""
+        choice = self.choose(tree, score, mode)
         return trim_tree(tree, choice.keep), choice
 
     def observe(self, tree: HybridTree, result: AcceptanceResult,

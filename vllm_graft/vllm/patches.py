@@ -334,15 +334,15 @@ def _patch_runner() -> list[Patch]:
 
     def _model_forward(self, *args, **kwargs):
         step = self._graft_step if on(self) else None
-        plan = step.plan if step is not None else None
-        if plan is None:
+        sizer = self.drafter.sizer if step is not None else None
+        if step is None or (step.plan is None and sizer is None):
             return call_original(cls, "_model_forward")(self, *args, **kwargs)
-        sizer = self.drafter.sizer
         start = device_clock(self.device) if sizer is not None else 0.0
-        with active_plan(plan):
+        with active_plan(step.plan):
             out = call_original(cls, "_model_forward")(self, *args, **kwargs)
-        if sizer is not None:  # the profile follows what verification really costs
-            sizer.cost.observe(1, step.num_tokens, (device_clock(self.device) - start) * 1e3)
+        if sizer is not None:  # the profile follows what a forward really costs
+            step.forward_ms = (device_clock(self.device) - start) * 1e3
+            sizer.cost.observe(1, step.num_tokens, step.forward_ms)
         return out
 
     def _sample(self, logits, spec_decode_metadata):

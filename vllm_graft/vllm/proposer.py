@@ -394,9 +394,9 @@ class GraftTreeDrafting:
                                   self.device)
         chains = build_chains(roots.to(self.device), copied, matrix, self.chain_tokens,
                               self.chain_walk)
-        if self.sizer is not None:  # a chain step's own cost is what the guard measures
+        if self.sizer is not None:
             chains = self._scored_by_match(chains, [length for length, _ in matches])
-            chains, _ = self.sizer.trim(chains, overhead_ms=0.0)
+            chains, _ = self.sizer.trim(chains, mode=StepMode.CHAIN)
         chains = agree(chains.to("cpu"))
         nodes = 0
         for t, i in enumerate(drafting):

@@ -66,6 +66,7 @@ class GraftStep:
     plan: TreeAttentionPlan | None
     result: AcceptanceResult | None = None  # rows follow the persistent batch
     num_tokens: int = 0  # query tokens of the step's forward
+    forward_ms: float | None = None  # the forward's time, measured with budget "auto"
 
 
 @dataclass
@@ -215,9 +216,7 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
         # plain decoding's one sampler call, on the logits as they are when no request
         # carried drafts
         rows = logits if logits.shape[0] == batch else logits[starts]
-        output = runner.sampler(logits=rows, sampling_metadata=sampling_metadata)
-        runner._graft_sample_seconds = 0.0
-        return output
+        return runner.sampler(logits=rows, sampling_metadata=sampling_metadata)
     host_tree = _batch_trees(trees, batch)
     tree = host_tree.to(device)
     row_topk = None
@@ -255,8 +254,7 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
         _learn(runner, logits, spec_decode_metadata, starts, trees, row_topk)
     if step is not None and step.plan is not None:
         stats.add_seconds("tree_attention", step.plan.seconds)
-    runner._graft_sample_seconds = device_clock(device) - start - level_zero_seconds
-    stats.add_seconds("bookkeeping", runner._graft_sample_seconds)
+    stats.add_seconds("bookkeeping", device_clock(device) - start - level_zero_seconds)
     return SamplerOutput(sampled_token_ids=output.to(torch.int32), logprobs_tensors=logprobs)
 
 
@@ -424,8 +422,8 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
     start = device_clock(runner.device)
     proposer.forward_timer.take_seconds()  # spans of earlier steps (e.g. dummy runs)
     settled = settled_rows(runner, scheduler_output, sampled_token_ids, step)
-    if proposer.guard is not None:  # this step's measurement first, then the next mode
-        _observe_throughput(runner, scheduler_output, settled, proposer.ran_mode)
+    _observe_step(runner, scheduler_output, settled, step)  # before choosing the next
+    if proposer.guard is not None:
         # every rank must draft (or not) alike: the first rank's timing decides
         requests = list(scheduler_output.num_scheduled_tokens)
         reach = proposer.guard.within_reach(len(requests), StepMode.TREE)
@@ -449,9 +447,6 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
         stats.counts["chain_nodes"] += proposer.last_chains[1]
     choice = proposer.last_choice
     if choice is not None:
-        # what speculating costs a step besides verification: drafting and bookkeeping
-        spent_ms = 1e3 * (end - start + getattr(runner, "_graft_sample_seconds", 0.0))
-        proposer.sizer.cost.observe_overhead(spent_ms)
         stats.counts["auto_chosen_nodes"] += int(choice.nodes_per_request.sum())
         predicted = choice.expected_tokens - choice.nodes_per_request.numel()
         stats.counts["auto_predicted_accepted_milli"] += int(round(predicted * 1000))
@@ -476,13 +471,18 @@ def propose_with_blocks(runner, sampled_token_ids, propose_blocks) -> list[list[
     return drafts
 
 
-def _observe_throughput(runner, scheduler_output, settled: list[SettledRows],
-                        mode: StepMode) -> None:
+def _observe_step(runner, scheduler_output, settled: list[SettledRows],
+                  step: GraftStep | None) -> None:
     """Time this engine step (from the last step's drafting to this one's) and count its
-    emitted tokens, for the throughput guard; steps with prefill chunks are skipped.
-    A tree step after chain or plain steps includes feeding the drafter the positions
-    those steps deferred: switching to trees costs that, and a guard that did not see
-    it would switch to trees more often than they pay."""
+    emitted tokens and verified nodes, for the throughput guard and for the sizer's
+    step costs (:meth:`CostModel.observe_step`); steps with prefill chunks are skipped
+    (their time is not the decoding cost of any mode). A tree step after chain or plain
+    steps includes feeding the drafter the positions those steps deferred: switching to
+    trees costs that, and a guard that did not see it would switch to trees more often
+    than they pay."""
+    proposer: GraftProposer = runner.drafter
+    if proposer.guard is None and proposer.sizer is None:
+        return
     now = time.perf_counter()
     last, runner._graft_step_clock = getattr(runner, "_graft_step_clock", None), now
     spec = scheduler_output.scheduled_spec_decode_tokens
@@ -490,8 +490,14 @@ def _observe_throughput(runner, scheduler_output, settled: list[SettledRows],
                   for req_id, count in scheduler_output.num_scheduled_tokens.items())
     if last is None or prefill or not settled:
         return
-    tokens = sum(len(s.next_tokens) for s in settled)
-    runner.drafter.guard.observe(mode, len(settled), tokens, now - last)
+    mode, seconds = proposer.ran_mode, now - last
+    if proposer.guard is not None:
+        proposer.guard.observe(mode, len(settled), sum(len(s.next_tokens) for s in settled),
+                               seconds)
+    if proposer.sizer is not None and step is not None and step.forward_ms is not None:
+        nodes = max(scheduler_output.total_num_scheduled_tokens - len(settled), 0)
+        proposer.sizer.cost.observe_step(mode, len(settled), nodes, seconds * 1e3,
+                                         step.forward_ms)
 
 
 #: BuildStats fields summed into the counter of the same meaning
