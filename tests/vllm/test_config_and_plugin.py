@@ -4,6 +4,7 @@ errors for bad keys, values and files (no engine loop is ever reached)."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -172,3 +173,23 @@ def test_thinking_budgets_are_refused_with_a_clear_error(tiny_models):
         out = llm.generate(["a"], SamplingParams(max_tokens=4, min_p=0.1, logit_bias={3: 1.0}),
                            use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_graft_log_lines_reach_the_handlers_vllm_installs_after_the_plugin_loaded(
+        monkeypatch):
+    """vLLM installs its log handlers when an engine starts, after plugins load: Graft's
+    INFO lines (the cost profile, what budget "auto" learned) must still reach them."""
+    from vllm_graft.vllm.plugin import route_logs_through_vllm
+
+    ours, theirs = logging.getLogger("vllm_graft"), logging.getLogger("vllm")
+    monkeypatch.setattr(ours, "handlers", [])
+    monkeypatch.setattr(ours, "level", logging.NOTSET)
+    monkeypatch.setattr(theirs, "handlers", [])
+    route_logs_through_vllm()  # the plugin loads first
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    theirs.addHandler(handler)  # then vLLM configures its logging
+    logging.getLogger("vllm_graft.vllm.runner").info("Graft: a line")
+    logging.getLogger("vllm_graft.vllm.runner").debug("Graft: a debug line")
+    assert [record.getMessage() for record in records] == ["Graft: a line"]

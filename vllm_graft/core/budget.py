@@ -80,6 +80,10 @@ class _LineSums:
         self.xx = keep * self.xx + x * x
         self.xy = keep * self.xy + x * y
 
+    def intercept(self, slope: float) -> float:
+        """The line's cost at no node, given its slope (at least 0)."""
+        return max((self.y - slope * self.x) / self.weight, 0.0)
+
     def centred(self) -> tuple[float, float]:
         """(sum of (x - mean)^2, sum of (x - mean)(y - mean))."""
         return (self.xx - self.x * self.x / self.weight,
@@ -109,6 +113,7 @@ class StepCosts:
     slope_prior_weight: float = 32.0
     outlier_factor: float = 4.0
     sums: dict[tuple[int, StepMode], _LineSums] = field(default_factory=dict)
+    observed: int = 0  # steps observed
 
     def observe(self, mode: StepMode, batch: int, nodes: int, extra_ms: float,
                 prior_per_node_ms: float = 0.0) -> None:
@@ -121,6 +126,19 @@ class StepCosts:
             extra_ms = min(extra_ms, self.outlier_factor * (fixed + per_node * nodes) + 1.0)
         self.sums.setdefault(key, _LineSums()).add(float(nodes), max(extra_ms, 0.0),
                                                    1.0 - 1.0 / self.window)
+        self.observed += 1
+
+    def describe(self) -> str:
+        """One line per mode: its per-node cost and fixed cost per batch bucket."""
+        lines = []
+        for mode in self.modes():
+            per_node = self.per_node_ms(mode)
+            fixed = ", ".join(f"batch <= {size}: {sums.intercept(per_node):.2f}"
+                              for (size, kind), sums in sorted(self.sums.items(),
+                                                               key=lambda kv: kv[0][0])
+                              if kind is mode)
+            lines.append(f"{mode.value}: {per_node:.3f} ms per node, fixed ms {fixed}")
+        return "; ".join(lines)
 
     def modes(self) -> list[StepMode]:
         """The modes with measured steps, in :class:`StepMode` order."""
@@ -148,7 +166,7 @@ class StepCosts:
         nearest = min(measured, key=lambda size: (abs(math.log2(size / bucket)), size))
         sums = self.sums[(nearest, mode)]
         per_node = self.per_node_ms(mode, prior_per_node_ms)
-        return max((sums.y - per_node * sums.x) / sums.weight, 0.0), per_node
+        return sums.intercept(per_node), per_node
 
 
 @dataclass

@@ -15,16 +15,29 @@ import logging
 logger = logging.getLogger(__name__)
 
 
+class _ToVllmHandlers(logging.Handler):
+    """Hands each record to the handlers vLLM's logger has when the record is emitted:
+    vLLM installs them when an engine starts in a process (``configure_logging``), which
+    is after plugins load, so handlers copied at load time would be none."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        for handler in logging.getLogger("vllm").handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+
+
 def route_logs_through_vllm() -> None:
-    """Graft's log lines go where vLLM's go, in vLLM's format and level (its start-up
-    and shutdown INFO lines included), unless the user configured ``vllm_graft``'s
-    logger already."""
-    ours, theirs = logging.getLogger("vllm_graft"), logging.getLogger("vllm")
-    if ours.handlers or not theirs.handlers:
+    """Graft's log lines go where vLLM's go, in vLLM's format, at vLLM's configured
+    level (its start-up and shutdown INFO lines included), unless the user configured
+    ``vllm_graft``'s logger already."""
+    import vllm.envs as envs
+
+    ours = logging.getLogger("vllm_graft")
+    if ours.handlers:
         return
-    for handler in theirs.handlers:
-        ours.addHandler(handler)
-    ours.setLevel(theirs.level)
+    ours.addHandler(_ToVllmHandlers())
+    if ours.level == logging.NOTSET:
+        ours.setLevel(envs.VLLM_LOGGING_LEVEL)
 
 
 def register() -> None:

@@ -23,6 +23,7 @@ the scheduler rolls back exactly the rejected rows.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -43,6 +44,8 @@ from vllm_graft.vllm.timing import device_clock
 from vllm_graft.vllm.tree_attention import (TreeAttentionPlan, TreeRequestPlan, kv_reader,
                                             read_slots)
 
+
+logger = logging.getLogger(__name__)
 
 #: Callbacks ``observer(tree: VerifiedTree, accepted_rows: list[int])`` called in the
 #: worker after every tree verification (calibration records trees this way).
@@ -496,8 +499,15 @@ def _observe_step(runner, scheduler_output, settled: list[SettledRows],
                                seconds)
     if proposer.sizer is not None and step is not None and step.forward_ms is not None:
         nodes = max(scheduler_output.total_num_scheduled_tokens - len(settled), 0)
-        proposer.sizer.cost.observe_step(mode, len(settled), nodes, seconds * 1e3,
-                                         step.forward_ms)
+        cost = proposer.sizer.cost
+        cost.observe_step(mode, len(settled), nodes, seconds * 1e3, step.forward_ms)
+        if cost.steps.observed % LOG_STEP_COSTS_EVERY == 0 and cost.steps.observed:
+            logger.info("Graft: step costs besides the forward, learned over %d steps: %s",
+                        cost.steps.observed, cost.steps.describe())
+
+
+#: measured decoding steps between two log lines of what budget "auto" learned they cost
+LOG_STEP_COSTS_EVERY = 500
 
 
 #: BuildStats fields summed into the counter of the same meaning
