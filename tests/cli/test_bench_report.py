@@ -66,6 +66,29 @@ def test_interleaved_rounds_are_reported_with_their_paired_spread():
         row("plain", "a", 1.0, 1.0, tps=30.0, batch=8)])))
 
 
+def test_each_sweep_engines_untimed_warm_up_is_reported():
+    engines = [{"method": "plain", "dataset": "_engine", "batch": 8, "warmup_seconds": 2.5},
+               {"method": "graft_auto", "dataset": "_engine", "batch": 8,
+                "warmup_seconds": 4.25}]
+    data = results([], [row("plain", "a", 1.0, 1.0, tps=30.0, batch=8), *engines])
+    data["config"]["engine_warmup"] = {"prompts": 8, "offset": 10_000, "tokens": 16}
+    lines = "\n".join(batch_section(data))
+    assert "generated 16 tokens for each of as many ShareGPT prompts" in lines
+    assert "graft_auto batch 8 4.2; plain batch 8 2.5" in lines
+    data["config"]["engine_warmup"]["prompts"] = 0  # no warm-up ran: nothing to report
+    assert "Before its first round" not in "\n".join(batch_section(data))
+
+
+def test_too_few_warm_up_prompts_is_an_error_naming_the_offset(monkeypatch, tmp_path):
+    import pytest
+
+    from vllm_graft.bench import runner
+
+    monkeypatch.setattr(runner.datasets, "sharegpt", lambda cache_dir, limit, offset: [])
+    with pytest.raises(ValueError, match="ENGINE_WARMUP_OFFSET"):
+        runner.engine_warmup_source(tmp_path, 8)
+
+
 def test_tail_is_checked_against_vllms_chain_and_gets_a_chain_calibration():
     from vllm_graft.bench.methods import methods
 

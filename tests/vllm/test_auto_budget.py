@@ -179,3 +179,29 @@ def test_guard_times_a_step_without_drafts_as_plain_decoding(tiny_models, tmp_pa
     assert metrics["graft_guard_plain_steps"] >= 30
     assert not metrics.get("graft_guard_tree_steps") and not metrics.get("graft_guard_chain_steps")
     assert not metrics.get("graft_trees_built") and not metrics.get("graft_chains_built")
+
+
+def test_budget_auto_reads_the_device_clock_a_fixed_few_times_per_step(tiny_models,
+                                                                       tmp_path, monkeypatch):
+    """Budget "auto" times every target forward, but with events read after the step's
+    own clock read: on a GPU, a clock read is a host-device synchronisation, and none
+    may wrap the forward or grow with the batch or the tree."""
+    from vllm import SamplingParams
+
+    from vllm_graft.vllm.timing import CLOCK_READS
+
+    monkeypatch.setenv("VLLM_GRAFT_CACHE", str(tmp_path))
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    with running_llm(tiny_models.target, graft_spec(tiny_models.head, budget="auto"),
+                     max_num_seqs=4) as llm:
+        llm.generate(PROMPTS[:1], params, use_tqdm=False)  # the start-up profile's reads
+        CLOCK_READS.clear()
+        before = spec_metrics(llm)
+        llm.generate(PROMPTS[:4], params, use_tqdm=False)
+        after = spec_metrics(llm)
+    steps = sum(after.get(f"graft_guard_{mode}_steps", 0)
+                - before.get(f"graft_guard_{mode}_steps", 0) for mode in ("tree", "chain", "plain"))
+    assert steps >= 40, (before, after)
+    assert "_model_forward" not in CLOCK_READS, CLOCK_READS
+    # proposal: 2, sampling: 2, its first level: 2 (whatever the batch and tree size)
+    assert sum(CLOCK_READS.values()) <= 6 * (steps + 2), (CLOCK_READS, steps)

@@ -33,3 +33,9 @@ def test_bench_quick_runs_every_method_losslessly(tmp_path):
                for r in swept), swept
     assert agreement["graft_auto@batch3"]["total"] == 3 * len(results["datasets"])
     assert "## Batch sizes" in (out / "report.md").read_text()
+    # every engine warmed up, untimed, on ShareGPT prompts before its first dataset (an
+    # offset past the file's end once left every engine without a warm-up)
+    assert results["config"]["engine_warmup"]["prompts"] >= 3
+    engines = [r for r in results["rows"] + results["batch_rows"] if r["dataset"] == "_engine"]
+    assert engines and all(r["warmup_seconds"] > 0 for r in engines), engines
+    assert "Before its first round each engine generated" in (out / "report.md").read_text()

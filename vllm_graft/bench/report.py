@@ -229,6 +229,7 @@ def batch_section(results: dict) -> list[str]:
                          + (f"{speed[(name, 1)] / speed[('plain', 1)]:.2f}x (goal >= 1.15)"
                             if (name, 1) in speed and ("plain", 1) in speed else "n/a"))
     lines += rounds_lines(by)
+    lines += warmup_lines(results)
     for baseline in ("ngram", "eagle3"):
         pairs = [(d, ratio("graft_auto", 1, d, baseline))
                  for d in ("humaneval", "mtbench", "gsm8k")
@@ -267,6 +268,20 @@ def rounds_lines(by: dict) -> list[str]:
                               f"(median {statistics.median(v):.2f})"
                               for (name, batch), v in sorted(spreads.items()))]
     return lines
+
+
+def warmup_lines(results: dict) -> list[str]:
+    """What each sweep engine's untimed warm-up took: the one-off costs a fresh engine
+    pays at its batch size (for budget "auto", its first measurement of every mode)."""
+    warm = {(r["method"], r["batch"]): r["warmup_seconds"] for r in results["batch_rows"]
+            if r["dataset"] == "_engine" and "warmup_seconds" in r}
+    settings = results.get("config", {}).get("engine_warmup") or {}
+    if not warm or not settings.get("prompts"):
+        return []
+    return ["", f"Before its first round each engine generated {settings['tokens']} "
+                f"tokens for each of as many ShareGPT prompts as its batch, untimed; "
+                f"seconds: " + "; ".join(f"{name} batch {batch} {seconds:.1f}"
+                                         for (name, batch), seconds in sorted(warm.items()))]
 
 
 def plots(results: dict, out: Path) -> list[Path]:

@@ -33,7 +33,10 @@ DFLASH_METHODS = ("dflash", "tail_dflash")  # rows that need a DFlash block draf
 #: largest dataset, untimed (prompts from this offset on: no warm-up, calibration or
 #: training set of the tools reaches it)
 ENGINE_WARMUP_TOKENS = 16
-ENGINE_WARMUP_OFFSET = 16_000
+#: where the engines' warm-up prompts start in the ShareGPT file (about 11,100 records):
+#: past the prompts of the matrix warm-up (from 0), calibration (from 100) and the
+#: drafters' training (200-2199), so no engine warms up on a prompt anything learned from
+ENGINE_WARMUP_OFFSET = 10_000
 
 
 @dataclass
@@ -145,6 +148,18 @@ def suffix_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("arctic_inference") is not None
+
+
+def engine_warmup_source(cache_dir: Path, count: int) -> list[datasets.Prompt]:
+    """``count`` ShareGPT prompts from :data:`ENGINE_WARMUP_OFFSET` on. Fewer is an error:
+    an engine warmed up on fewer requests than a dataset's batch would meet its batch
+    size for the first time inside the timed runs."""
+    prompts = datasets.sharegpt(cache_dir, limit=count, offset=ENGINE_WARMUP_OFFSET)
+    if len(prompts) < count:
+        raise ValueError(f"the ShareGPT file in {cache_dir} holds {len(prompts)} prompts "
+                         f"from record {ENGINE_WARMUP_OFFSET} on; the engines' warm-up "
+                         f"needs {count} (ENGINE_WARMUP_OFFSET)")
+    return prompts
 
 
 def engine_warmup_prompts(candidates: list[list[int]], prompt_ids: dict[str, list],
@@ -259,12 +274,13 @@ def run_engines_interleaved(config: BenchConfig, specs: dict[str, dict | None],
     jobs.mkdir(parents=True, exist_ok=True)
     labels = list(specs)
     engines: dict[str, _ServedEngine] = {}
+    warmups: dict[str, float] = {}
     started = time.time()
     try:
         for label in labels:  # one at a time: start-ups do not compete for the cores
             engines[label] = _ServedEngine(
                 engine_job(config, specs[label], prompt_ids, max_model_len), jobs, label)
-            engines[label].receive()  # ready: loaded and warmed up
+            warmups[label] = engines[label].receive()["warmup_seconds"]  # ready
         runs: dict[tuple[str, str], list[dict]] = {}
         with tqdm(total=rounds * len(prompt_ids) * len(labels), desc="interleaved",
                   unit="run") as bar:
@@ -290,7 +306,8 @@ def run_engines_interleaved(config: BenchConfig, specs: dict[str, dict | None],
                 "rounds_identical": sum(
                     all(run["tokens"][i] == tokens for run in later)
                     for i, tokens in enumerate(first["tokens"]))}
-        out[label] = {"datasets": datasets_out, "wall_seconds": wall}
+        out[label] = {"datasets": datasets_out, "wall_seconds": wall,
+                      "warmup_seconds": warmups[label]}
         (jobs / f"{label}.result.json").write_text(json.dumps(out[label]))
     return out
 
@@ -344,7 +361,8 @@ def run_methods(config: BenchConfig, prompt_ids: dict[str, list], method_list,
             rows.append({"method": method.name, "dataset": dataset, "prompts": len(tokens),
                          **row})
         rows.append({"method": method.name, "dataset": "_engine",
-                     "wall_seconds": round(result["wall_seconds"], 1)})
+                     "wall_seconds": round(result["wall_seconds"], 1),
+                     "warmup_seconds": round(result.get("warmup_seconds", 0.0), 2)})
     return rows, outputs
 
 
@@ -383,8 +401,7 @@ def run_bench(config: BenchConfig) -> dict:
         longest = max(longest, max(len(ids) for ids in prompt_ids[name]))
     max_model_len = min(max_positions, longest + config.max_tokens + config.budget + 16)
 
-    warm = render_prompts(tokenizer, datasets.sharegpt(config.cache_dir, limit=most,
-                                                       offset=ENGINE_WARMUP_OFFSET))
+    warm = render_prompts(tokenizer, engine_warmup_source(config.cache_dir, most))
     config = replace(config, engine_warmup=[r["prompt_token_ids"] for r in warm])
     first = {name: ids[:config.prompts] for name, ids in prompt_ids.items()}
     prompt_sets = {name: prompts[:config.prompts] for name, prompts in prompt_sets.items()}

@@ -501,6 +501,15 @@ class ThroughputGuard:
     compared. Steps with prefill chunks are not measured (their time is not the decoding
     cost of any mode).
 
+    Plain decoding, the rate every other mode must beat, is measured again whenever its
+    last step at the batch size is more than ``plain_refresh`` guard steps old. Modes
+    are measured at different times and this machine's speed moves; a plain rate
+    measured while the engine was cold or the host busy would otherwise stand, slow and
+    stale, while a speculative mode measured later looks faster and keeps running (a
+    plain step's bound grows back only as its weight fades: dozens of steps). A plain
+    step never costs speed against plain decoding; where a speculative mode really is
+    faster it costs one step in ``plain_refresh + 1`` of its gain.
+
     The non-tree modes do not run the drafter; the adapter feeds it the positions it
     missed just before the next tree step, so its cache stays complete.
     """
@@ -510,6 +519,7 @@ class ThroughputGuard:
     window: float = 100.0
     confidence: float = 2.0
     noise_floor: float = 0.2
+    plain_refresh: int = 16  # 0: never forced
     stats: dict[tuple[int, StepMode], _ModeStats] = field(default_factory=dict)
     measured: dict[tuple[int, StepMode], int] = field(default_factory=dict)
     steps: int = 0
@@ -518,9 +528,10 @@ class ThroughputGuard:
         if self.probe_steps < 1 or self.window <= 1.0:
             raise ValueError(f"ThroughputGuard needs probe_steps >= 1 and window > 1, got "
                              f"{self.probe_steps}, {self.window}")
-        if self.confidence < 0 or self.noise_floor < 0:
-            raise ValueError(f"ThroughputGuard confidence and noise_floor must be >= 0, "
-                             f"got {self.confidence}, {self.noise_floor}")
+        if self.confidence < 0 or self.noise_floor < 0 or self.plain_refresh < 0:
+            raise ValueError(f"ThroughputGuard confidence, noise_floor and plain_refresh "
+                             f"must be >= 0, got {self.confidence}, {self.noise_floor}, "
+                             f"{self.plain_refresh}")
         if not self.modes or len(set(self.modes)) != len(self.modes):
             raise ValueError(f"ThroughputGuard needs distinct modes, got {self.modes}")
 
@@ -579,7 +590,12 @@ class ThroughputGuard:
             if self.measured.get((bucket, mode), 0) < self.probe_steps:
                 return mode
         bounds = [self.bound_of(batch, mode) for mode in modes]
-        return modes[max(range(len(bounds)), key=lambda i: bounds[i])]
+        best = modes[max(range(len(bounds)), key=lambda i: bounds[i])]
+        plain = self.stats.get((bucket, StepMode.PLAIN))
+        if (best is not StepMode.PLAIN and StepMode.PLAIN in modes and self.plain_refresh
+                and plain is not None and self.steps - plain.step > self.plain_refresh):
+            return StepMode.PLAIN  # the baseline's rate is stale: measure it again
+        return best
 
     def observe(self, mode: StepMode, batch: int, tokens: int, seconds: float) -> None:
         """One decoding step (no prefill): ``tokens`` emitted by ``batch`` requests in

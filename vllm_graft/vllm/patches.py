@@ -263,7 +263,7 @@ def _patch_runner() -> list[Patch]:
     from vllm_graft.vllm.proposer import (GraftDFlashProposer, GraftDraftModelProposer,
                                           GraftProposer)
     from vllm_graft.vllm.kv_blocks import PagedKVLayout
-    from vllm_graft.vllm.timing import device_clock
+    from vllm_graft.vllm.timing import SpanTimer
     from vllm_graft.vllm.tree_attention import active_plan, check_impl_supported, kv_reader
 
     import torch
@@ -337,13 +337,13 @@ def _patch_runner() -> list[Patch]:
         sizer = self.drafter.sizer if step is not None else None
         if step is None or (step.plan is None and sizer is None):
             return call_original(cls, "_model_forward")(self, *args, **kwargs)
-        start = device_clock(self.device) if sizer is not None else 0.0
-        with active_plan(step.plan):
-            out = call_original(cls, "_model_forward")(self, *args, **kwargs)
-        if sizer is not None:  # the profile follows what a forward really costs
-            step.forward_ms = (device_clock(self.device) - start) * 1e3
-            sizer.cost.observe(1, step.num_tokens, step.forward_ms)
-        return out
+        if sizer is None:
+            with active_plan(step.plan):
+                return call_original(cls, "_model_forward")(self, *args, **kwargs)
+        # timed without waiting for the device: read after the proposal's device clock
+        step.forward_timer = SpanTimer(self.device)
+        with active_plan(step.plan), step.forward_timer.span():
+            return call_original(cls, "_model_forward")(self, *args, **kwargs)
 
     def _sample(self, logits, spec_decode_metadata):
         if on(self) and spec_decode_metadata is not None:

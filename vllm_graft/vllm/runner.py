@@ -40,7 +40,7 @@ from vllm_graft.core.hybrid import SOURCE_PAD, HybridTree, ancestor_mask
 from vllm_graft.vllm.proposer import GraftProposer, PendingTree, SettledRows
 from vllm_graft.vllm.sampling import argmax_is_the_sample
 from vllm_graft.vllm.tp_agreement import agree
-from vllm_graft.vllm.timing import device_clock
+from vllm_graft.vllm.timing import SpanTimer, device_clock
 from vllm_graft.vllm.tree_attention import (TreeAttentionPlan, TreeRequestPlan, kv_reader,
                                             read_slots)
 
@@ -69,7 +69,14 @@ class GraftStep:
     plan: TreeAttentionPlan | None
     result: AcceptanceResult | None = None  # rows follow the persistent batch
     num_tokens: int = 0  # query tokens of the step's forward
-    forward_ms: float | None = None  # the forward's time, measured with budget "auto"
+    #: times the forward with budget "auto" (CUDA events on a GPU: no synchronisation)
+    forward_timer: SpanTimer | None = None
+
+    def take_forward_ms(self) -> float | None:
+        """The forward's time in ms, once (None: not timed); call it after a
+        :func:`device_clock`, so the device has finished the forward."""
+        timer, self.forward_timer = self.forward_timer, None
+        return None if timer is None else timer.take_seconds() * 1e3
 
 
 @dataclass
@@ -484,6 +491,9 @@ def _observe_step(runner, scheduler_output, settled: list[SettledRows],
     trees costs that, and a guard that did not see it would switch to trees more often
     than they pay."""
     proposer: GraftProposer = runner.drafter
+    forward_ms = None if step is None else step.take_forward_ms()
+    if forward_ms is not None:  # the profile follows what a forward really costs
+        proposer.sizer.cost.observe(1, step.num_tokens, forward_ms)
     if proposer.guard is None and proposer.sizer is None:
         return
     now = time.perf_counter()
@@ -497,10 +507,10 @@ def _observe_step(runner, scheduler_output, settled: list[SettledRows],
     if proposer.guard is not None:
         proposer.guard.observe(mode, len(settled), sum(len(s.next_tokens) for s in settled),
                                seconds)
-    if proposer.sizer is not None and step is not None and step.forward_ms is not None:
+    if forward_ms is not None:
         nodes = max(scheduler_output.total_num_scheduled_tokens - len(settled), 0)
         cost = proposer.sizer.cost
-        cost.observe_step(mode, len(settled), nodes, seconds * 1e3, step.forward_ms)
+        cost.observe_step(mode, len(settled), nodes, seconds * 1e3, forward_ms)
         if cost.steps.observed % LOG_STEP_COSTS_EVERY == 0 and cost.steps.observed:
             logger.info("Graft: step costs besides the forward, learned over %d steps: %s",
                         cost.steps.observed, cost.steps.describe())
