@@ -30,12 +30,11 @@ from vllm_graft.cli.common import render_prompts
 
 DFLASH_METHODS = ("dflash", "tail_dflash")  # rows that need a DFlash block drafter
 #: every engine first generates this many tokens for as many ShareGPT prompts as its
-#: largest dataset, untimed (prompts from this offset on: no warm-up, calibration or
-#: training set of the tools reaches it)
+#: largest dataset, untimed
 ENGINE_WARMUP_TOKENS = 16
-#: where the engines' warm-up prompts start in the ShareGPT file (about 11,100 records):
-#: past the prompts of the matrix warm-up (from 0), calibration (from 100) and the
-#: drafters' training (200-2199), so no engine warms up on a prompt anything learned from
+#: where those prompts start in the ShareGPT file (about 11,100 records): past the
+#: prompts of the matrix warm-up (from 0), calibration (from 100) and the drafters'
+#: training (200-2199), so no engine warms up on a prompt anything learned from
 ENGINE_WARMUP_OFFSET = 10_000
 
 
