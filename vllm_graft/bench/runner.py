@@ -361,7 +361,7 @@ def run_methods(config: BenchConfig, prompt_ids: dict[str, list], method_list,
                          **row})
         rows.append({"method": method.name, "dataset": "_engine",
                      "wall_seconds": round(result["wall_seconds"], 1),
-                     "warmup_seconds": round(result.get("warmup_seconds", 0.0), 2)})
+                     "warmup_seconds": round(result["warmup_seconds"], 2)})
     return rows, outputs
 
 

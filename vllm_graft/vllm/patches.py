@@ -33,6 +33,7 @@ through the general-plugin entry point.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 from collections import Counter
 
@@ -337,12 +338,11 @@ def _patch_runner() -> list[Patch]:
         sizer = self.drafter.sizer if step is not None else None
         if step is None or (step.plan is None and sizer is None):
             return call_original(cls, "_model_forward")(self, *args, **kwargs)
-        if sizer is None:
-            with active_plan(step.plan):
-                return call_original(cls, "_model_forward")(self, *args, **kwargs)
-        # timed without waiting for the device: read after the proposal's device clock
-        step.forward_timer = SpanTimer(self.device)
-        with active_plan(step.plan), step.forward_timer.span():
+        # with budget "auto", timed without waiting for the device: read after the
+        # proposal's device clock
+        step.forward_timer = None if sizer is None else SpanTimer(self.device)
+        timed = contextlib.nullcontext() if sizer is None else step.forward_timer.span()
+        with active_plan(step.plan), timed:
             return call_original(cls, "_model_forward")(self, *args, **kwargs)
 
     def _sample(self, logits, spec_decode_metadata):
