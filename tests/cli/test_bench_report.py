@@ -66,6 +66,21 @@ def test_interleaved_rounds_are_reported_with_their_paired_spread():
         row("plain", "a", 1.0, 1.0, tps=30.0, batch=8)])))
 
 
+def test_a_second_plain_engine_sets_the_noise_band_and_what_falls_below_it_is_named():
+    batch_rows = [row("plain", "a", 1.0, 1.0, tps=100.0, batch=8),
+                  row("plain", "b", 1.0, 1.0, tps=100.0, batch=8),
+                  row("plain_again", "a", 1.0, 1.0, tps=96.0, batch=8),
+                  row("plain_again", "b", 1.0, 1.0, tps=103.0, batch=8),
+                  row("graft_auto", "a", 1.0, 1.0, tps=97.0, batch=8),  # inside the band
+                  row("graft_auto", "b", 1.0, 1.0, tps=90.0, batch=8)]  # below it
+    lines = "\n".join(batch_section(results([], batch_rows)))
+    assert ("A/A control at batch 8: a second plain engine measured 0.96-1.03x plain over "
+            "the datasets; below that band: graft_auto on b (0.90x)") in lines
+    batch_rows[-1] = row("graft_auto", "b", 1.0, 1.0, tps=99.0, batch=8)
+    assert "below that band: none" in "\n".join(batch_section(results([], batch_rows)))
+    assert "A/A control" not in "\n".join(batch_section(results([], batch_rows[:2])))
+
+
 def test_each_sweep_engines_untimed_warm_up_is_reported():
     engines = [{"method": "plain", "dataset": "_engine", "batch": 8, "warmup_seconds": 2.5},
                {"method": "graft_auto", "dataset": "_engine", "batch": 8,

@@ -53,6 +53,10 @@ class Method:
 def methods(budget: int, chain_tokens: int = 5, dflash_block: int = 8) -> dict[str, Method]:
     return {
         "plain": Method("plain", "plain", note="no speculation"),
+        "plain_again": Method("plain_again", "plain",
+                              note="diagnostic: a second plain engine, the same config in a "
+                                   "process of its own (the sweep's A/A control: how far "
+                                   "from 1.0x plain its noise alone reaches)"),
         "eagle3": Method("eagle3", "vllm", {"method": "eagle3", "model": "HEAD",
                                             "num_speculative_tokens": chain_tokens},
                          note=f"vLLM's EAGLE-3 chain (or draft-model chain), "

@@ -228,6 +228,7 @@ def batch_section(results: dict) -> list[str]:
                          f"goal >= 1.0 everywhere); batch 1 over all datasets: "
                          + (f"{speed[(name, 1)] / speed[('plain', 1)]:.2f}x (goal >= 1.15)"
                             if (name, 1) in speed and ("plain", 1) in speed else "n/a"))
+    lines += noise_floor_lines({key: ratio(*key) for key in by if key[0] != "plain"})
     lines += rounds_lines(by)
     lines += warmup_lines(results)
     for baseline in ("ngram", "eagle3"):
@@ -238,6 +239,27 @@ def batch_section(results: dict) -> list[str]:
             lines.append("")
             lines.append(f"graft_auto / {baseline} at batch 1 (goal >= 1.0): "
                          + ", ".join(f"{d} {ratio:.2f}x" for d, ratio in pairs))
+    return lines
+
+
+def noise_floor_lines(ratios: dict[tuple[str, int, str], float | None]) -> list[str]:
+    """Where the sweep ran a second plain engine (``plain_again``, the A/A control): the
+    band its per-dataset ratios to plain span at each batch size, and which other
+    (method, batch, dataset) fell below that band: a ratio inside it is not told apart
+    from plain decoding by this sweep."""
+    control = "plain_again"
+    lines = []
+    for batch in sorted({b for m, b, _ in ratios if m == control}):
+        band = [r for (m, b, _), r in ratios.items() if m == control and b == batch
+                and r is not None]
+        if not band:
+            continue
+        low, high = min(band), max(band)
+        below = [f"{m} on {d} ({r:.2f}x)" for (m, b, d), r in sorted(ratios.items())
+                 if m != control and b == batch and r is not None and r < low]
+        lines += ["", f"A/A control at batch {batch}: a second plain engine measured "
+                      f"{low:.2f}-{high:.2f}x plain over the datasets; below that band: "
+                      + (", ".join(below) if below else "none")]
     return lines
 
 
