@@ -3,6 +3,8 @@ engine): each check must be able to say "no"."""
 
 from __future__ import annotations
 
+import pytest
+
 from vllm_graft.bench.report import batch_section, goal_checks, markdown, method_means
 
 
@@ -59,9 +61,10 @@ def test_interleaved_rounds_are_reported_with_their_paired_spread():
     graft = {**row("graft_auto", "a", 1.5, 1.5, tps=33.0, batch=8),
              "round_tokens_per_s": [33.0, 21.6, 36.3], "rounds_identical": 3}
     lines = "\n".join(batch_section(results([], [plain, graft])))
-    assert "ran each dataset 3 times" in lines
+    assert "stayed alive beside the others and ran each dataset, 3 rounds" in lines
     assert "for 7 / 8 requests" in lines  # one Graft request changed in a later round
-    assert "graft_auto batch 8 0.90-1.10 (median 1.10)" in lines  # round 2 slower than plain's
+    # round 2 slower than plain's
+    assert "graft_auto batch 8 0.90-1.10 (median 1.10, mean 1.03 in 0.90-1.10)" in lines
     assert "ran each dataset" not in "\n".join(batch_section(results([], [
         row("plain", "a", 1.0, 1.0, tps=30.0, batch=8)])))
 
@@ -81,6 +84,29 @@ def test_a_second_plain_engine_sets_the_noise_band_and_what_falls_below_it_is_na
     assert "A/A control" not in "\n".join(batch_section(results([], batch_rows[:2])))
 
 
+def test_a_sweep_with_fresh_engines_each_round_says_so():
+    plain = {**row("plain", "a", 1.0, 1.0, tps=30.0, batch=8),
+             "round_tokens_per_s": [30.0, 24.0], "rounds_identical": 4}
+    engines = [{"method": m, "dataset": "_engine", "batch": 8, "warmup_seconds": 2.0,
+                "engine_starts": 2} for m in ("plain", "graft_auto")]
+    data = results([], [plain, *engines])
+    data["config"]["engine_warmup"] = {"prompts": 8, "offset": 10_000, "tokens": 16}
+    lines = "\n".join(batch_section(data))
+    assert "was started afresh for each round" in lines and "stayed alive" not in lines
+    assert "Before each start (median seconds over its starts)" in lines
+
+
+def test_the_paired_interval_brackets_the_mean_and_narrows_with_more_rounds():
+    from vllm_graft.bench.report import paired_interval
+
+    mean, low, high = paired_interval([0.9, 1.1, 1.0, 0.95, 1.05])
+    assert low < mean < high and abs(mean - 0.998) < 0.01
+    _, wide_low, wide_high = paired_interval([0.9, 1.1] * 2)
+    _, narrow_low, narrow_high = paired_interval([0.9, 1.1] * 50)
+    assert narrow_high - narrow_low < (wide_high - wide_low) / 3
+    assert paired_interval([0.8] * 6) == pytest.approx((0.8, 0.8, 0.8))
+
+
 def test_each_sweep_engines_untimed_warm_up_is_reported():
     engines = [{"method": "plain", "dataset": "_engine", "batch": 8, "warmup_seconds": 2.5},
                {"method": "graft_auto", "dataset": "_engine", "batch": 8,
@@ -88,7 +114,7 @@ def test_each_sweep_engines_untimed_warm_up_is_reported():
     data = results([], [row("plain", "a", 1.0, 1.0, tps=30.0, batch=8), *engines])
     data["config"]["engine_warmup"] = {"prompts": 8, "offset": 10_000, "tokens": 16}
     lines = "\n".join(batch_section(data))
-    assert "generated 16 tokens for each of as many ShareGPT prompts" in lines
+    assert "Before its first round (seconds) each engine generated 16 tokens" in lines
     assert "graft_auto batch 8 4.2; plain batch 8 2.5" in lines
     data["config"]["engine_warmup"]["prompts"] = 0  # no warm-up ran: nothing to report
     assert "Before its first round" not in "\n".join(batch_section(data))
@@ -129,3 +155,18 @@ def test_engine_warmup_prompts_are_cut_to_fit_not_dropped():
     assert [len(p) for p in warm] == [100, 20]  # as many as the largest dataset
     assert all(len(p) + 64 < 165 for p in warm)
     assert engine_warmup_prompts(candidates, datasets, max_model_len=64, max_tokens=64) == []
+
+
+def test_report_only_rewrites_the_report_from_the_results_file(tmp_path, capsys):
+    import json
+
+    from vllm_graft.cli.bench import main
+
+    batch_rows = [row("plain", "a", 1.0, 1.0, tps=100.0, batch=8),
+                  row("graft_auto", "a", 1.0, 1.0, tps=97.0, batch=8)]
+    (tmp_path / "results.json").write_text(json.dumps(results([], batch_rows)))
+    assert main(["--out", str(tmp_path), "--report-only"]) == 0
+    assert "| graft_auto | 97.0 (0.97x) |" in (tmp_path / "report.md").read_text()
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "missing"), "--report-only"])
+    assert "no results file" in capsys.readouterr().err

@@ -13,7 +13,7 @@ def test_bench_quick_runs_every_method_losslessly(tmp_path):
     out = tmp_path / "quick"
     code = bench_main(["--quick", "--out", str(out), "--max-num-seqs", "8",
                        "--batch-sizes", "3", "--batch-methods", "plain", "graft_auto",
-                       "--batch-rounds", "2"])
+                       "--batch-rounds", "2", "--batch-fresh-engines"])
     results = json.loads((out / "results.json").read_text())
     methods = {r["method"] for r in results["rows"] if r["dataset"] != "_engine"}
     assert {"plain", "eagle3", "ngram", "dense_tree", "prune_only", "retrieval_only",
@@ -28,7 +28,8 @@ def test_bench_quick_runs_every_method_losslessly(tmp_path):
     swept = [r for r in results["batch_rows"] if r["dataset"] != "_engine"]
     assert {(r["method"], r["batch"]) for r in swept} == {("plain", 3), ("graft_auto", 3)}
     assert all(r["prompts"] == 3 for r in swept), swept
-    # the sweep's engines took turns, twice each, and repeated their greedy output
+    # the sweep's engines took turns, twice each, each round in a fresh process, and
+    # repeated their greedy output
     assert all(len(r["round_tokens_per_s"]) == 2 and r["rounds_identical"] == 3
                for r in swept), swept
     assert agreement["graft_auto@batch3"]["total"] == 3 * len(results["datasets"])
@@ -38,4 +39,8 @@ def test_bench_quick_runs_every_method_losslessly(tmp_path):
     assert results["config"]["engine_warmup"]["prompts"] >= 3
     engines = [r for r in results["rows"] + results["batch_rows"] if r["dataset"] == "_engine"]
     assert engines and all(r["warmup_seconds"] > 0 for r in engines), engines
-    assert "Before its first round each engine generated" in (out / "report.md").read_text()
+    assert all(r["engine_starts"] == 2 for r in results["batch_rows"]
+               if r["dataset"] == "_engine")
+    report = (out / "report.md").read_text()
+    assert "Before each start (median seconds over its starts) each engine generated" in report
+    assert "was started afresh for each round" in report

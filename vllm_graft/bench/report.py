@@ -229,7 +229,7 @@ def batch_section(results: dict) -> list[str]:
                          + (f"{speed[(name, 1)] / speed[('plain', 1)]:.2f}x (goal >= 1.15)"
                             if (name, 1) in speed and ("plain", 1) in speed else "n/a"))
     lines += noise_floor_lines({key: ratio(*key) for key in by if key[0] != "plain"})
-    lines += rounds_lines(by)
+    lines += rounds_lines(by, fresh_engines(results))
     lines += warmup_lines(results)
     for baseline in ("ngram", "eagle3"):
         pairs = [(d, ratio("graft_auto", 1, d, baseline))
@@ -263,7 +263,13 @@ def noise_floor_lines(ratios: dict[tuple[str, int, str], float | None]) -> list[
     return lines
 
 
-def rounds_lines(by: dict) -> list[str]:
+def fresh_engines(results: dict) -> bool:
+    """Whether the sweep started its engines again for every round."""
+    return any(r.get("engine_starts", 1) > 1 for r in results.get("batch_rows") or []
+               if r["dataset"] == "_engine")
+
+
+def rounds_lines(by: dict, fresh: bool = False) -> list[str]:
     """The interleaved sweep's rounds: how many, whether later rounds repeated the first
     one's greedy output, and the spread of each method's round-by-round ratio to plain
     (round r of a method against round r of plain on the same dataset)."""
@@ -272,10 +278,13 @@ def rounds_lines(by: dict) -> list[str]:
         return []
     same = sum(r.get("rounds_identical", 0) for r in by.values())
     total = sum(r["prompts"] for r in by.values() if "rounds_identical" in r)
-    lines = ["", f"Every sweep engine stayed alive beside the others and ran each dataset "
-                 f"{max(rounds)} times, taking turns in a rotated order; tokens/s above "
-                 f"are medians over the rounds. Greedy output repeated the first "
-                 f"round's in every later round for {same} / {total} requests."]
+    lives = ("was started afresh for each round, beside the others (in the round's "
+             "order), and ran each dataset once a round" if fresh else
+             "stayed alive beside the others and ran each dataset")
+    lines = ["", f"Every sweep engine {lives}, {max(rounds)} rounds, taking turns in a "
+                 f"rotated order; tokens/s above are medians over the rounds. Greedy output "
+                 f"repeated the first round's in every later round for {same} / {total} "
+                 f"requests."]
     spreads = {}
     for (name, batch, dataset), row in by.items():
         base = by.get(("plain", batch, dataset))
@@ -285,11 +294,28 @@ def rounds_lines(by: dict) -> list[str]:
             a / b for a, b in zip(row["round_tokens_per_s"], base["round_tokens_per_s"]) if b)
     if spreads:
         lines += ["", "Round-by-round x plain (each round against plain's round on the same "
-                  "dataset), lowest to highest over rounds and datasets, and the median: "
+                  "dataset), lowest to highest over rounds and datasets, the median, and "
+                  "the geometric mean with its 95 % bootstrap interval (the round pairs "
+                  "resampled): "
                   + "; ".join(f"{name} batch {batch} {min(v):.2f}-{max(v):.2f} "
-                              f"(median {statistics.median(v):.2f})"
+                              f"(median {statistics.median(v):.2f}, mean "
+                              "{:.2f} in {:.2f}-{:.2f})".format(*paired_interval(v))
                               for (name, batch), v in sorted(spreads.items()))]
     return lines
+
+
+def paired_interval(ratios: list[float], resamples: int = 4000, seed: int = 0
+                    ) -> tuple[float, float, float]:
+    """The geometric mean of paired speed ratios and its 95 % percentile-bootstrap
+    interval. Rounds on this machine spread by 10-20 % whatever the method (a second
+    plain engine's rounds do too), so a mean ratio says little without the range it
+    is known to; fixed seed: the report is reproducible from its results file."""
+    import numpy as np
+
+    logs = np.log(np.asarray(ratios, dtype=np.float64))
+    picks = np.random.default_rng(seed).integers(0, len(logs), (resamples, len(logs)))
+    low, high = np.percentile(logs[picks].mean(axis=1), [2.5, 97.5])
+    return float(np.exp(logs.mean())), float(np.exp(low)), float(np.exp(high))
 
 
 def warmup_lines(results: dict) -> list[str]:
@@ -300,9 +326,11 @@ def warmup_lines(results: dict) -> list[str]:
     settings = results.get("config", {}).get("engine_warmup") or {}
     if not warm or not settings.get("prompts"):
         return []
-    return ["", f"Before its first round each engine generated {settings['tokens']} "
-                f"tokens for each of as many ShareGPT prompts as its batch, untimed; "
-                f"seconds: " + "; ".join(f"{name} batch {batch} {seconds:.1f}"
+    when = "each start (median seconds over its starts)" if fresh_engines(results) \
+        else "its first round (seconds)"
+    return ["", f"Before {when} each engine generated {settings['tokens']} "
+                f"tokens for each of as many ShareGPT prompts as its batch, untimed: "
+                + "; ".join(f"{name} batch {batch} {seconds:.1f}"
                                          for (name, batch), seconds in sorted(warm.items()))]
 
 

@@ -72,6 +72,8 @@ class BenchConfig:
     #: the sweep's engines run interleaved, each dataset this many times per engine
     #: (:func:`run_engines_interleaved`)
     batch_rounds: int = 3
+    #: start every sweep engine again for each round (:func:`run_engines_interleaved`)
+    batch_fresh_engines: bool = False
 
 
 def config_default(name: str):
@@ -266,33 +268,51 @@ def run_engines_interleaved(config: BenchConfig, specs: dict[str, dict | None],
     the median of its rounds, so the machine's drift (this CPU's speed moves by 10-20 %
     over minutes) falls on every method alike instead of on whichever ran then. Greedy
     output must be the same every round: ``rounds_identical`` counts the requests
-    whose later rounds repeated the first."""
+    whose later rounds repeated the first.
+
+    With ``config.batch_fresh_engines`` every engine is stopped after each round and
+    started again, in the next round's order, for the next: a process keeps a speed of
+    its own for its whole life (two identical plain engines of one sweep measured 0.94x
+    of each other over all their rounds, and 0.99x in another sweep), which the rounds
+    of one process cannot average out; fresh processes turn it into round-to-round
+    noise that they do."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     jobs = config.out / "jobs"
     jobs.mkdir(parents=True, exist_ok=True)
     labels = list(specs)
     engines: dict[str, _ServedEngine] = {}
-    warmups: dict[str, float] = {}
-    started = time.time()
-    try:
-        for label in labels:  # one at a time: start-ups do not compete for the cores
+    warmups: dict[str, list[float]] = {label: [] for label in labels}
+
+    def start(order: list[str]) -> None:
+        for label in order:  # one at a time: start-ups do not compete for the cores
             engines[label] = _ServedEngine(
                 engine_job(config, specs[label], prompt_ids, max_model_len), jobs, label)
-            warmups[label] = engines[label].receive()["warmup_seconds"]  # ready
+            warmups[label].append(engines[label].receive()["warmup_seconds"])  # ready
+
+    def stop() -> None:
+        for served in engines.values():
+            served.close()
+        engines.clear()
+
+    started = time.time()
+    try:
         runs: dict[tuple[str, str], list[dict]] = {}
         with tqdm(total=rounds * len(prompt_ids) * len(labels), desc="interleaved",
                   unit="run") as bar:
             for r in range(rounds):
                 order = labels[r % len(labels):] + labels[:r % len(labels)]
+                if not engines:
+                    start(order)
                 for dataset in prompt_ids:
                     for label in order:
                         runs.setdefault((label, dataset), []).append(
                             engines[label].run(dataset))
                         bar.update()
+                if config.batch_fresh_engines:
+                    stop()
     finally:
-        for served in engines.values():
-            served.close()
+        stop()
     wall = time.time() - started
     out = {}
     for label in labels:
@@ -306,7 +326,8 @@ def run_engines_interleaved(config: BenchConfig, specs: dict[str, dict | None],
                     all(run["tokens"][i] == tokens for run in later)
                     for i, tokens in enumerate(first["tokens"]))}
         out[label] = {"datasets": datasets_out, "wall_seconds": wall,
-                      "warmup_seconds": warmups[label]}
+                      "warmup_seconds": statistics.median(warmups[label]),
+                      "engine_starts": len(warmups[label])}
         (jobs / f"{label}.result.json").write_text(json.dumps(out[label]))
     return out
 
@@ -361,7 +382,8 @@ def run_methods(config: BenchConfig, prompt_ids: dict[str, list], method_list,
                          **row})
         rows.append({"method": method.name, "dataset": "_engine",
                      "wall_seconds": round(result["wall_seconds"], 1),
-                     "warmup_seconds": round(result["warmup_seconds"], 2)})
+                     "warmup_seconds": round(result["warmup_seconds"], 2),
+                     "engine_starts": result.get("engine_starts", 1)})
     return rows, outputs
 
 

@@ -40,6 +40,21 @@ def default_dflash(target: str) -> Path | None:
     return drafter if (drafter / "config.json").is_file() else None
 
 
+def rewrite_report(parser, out: Path) -> int:
+    import json
+
+    from vllm_graft.bench.report import markdown, plots
+
+    path = out / "results.json"
+    if not path.is_file():
+        parser.error(f"--report-only: no results file {path}")
+    results = json.loads(path.read_text())
+    (out / "report.md").write_text(markdown(results))
+    plots(results, out)
+    print((out / "report.md").read_text())
+    return 0
+
+
 def main(argv=None) -> int:
     from vllm_graft.cli.main import cpu_runtime_defaults
 
@@ -85,11 +100,20 @@ def main(argv=None) -> int:
     p.add_argument("--batch-rounds", type=int, default=config_default("batch_rounds"),
                    help="the sweep's engines stay alive together and take turns, each "
                    "dataset this many times per engine; times are medians over rounds")
+    p.add_argument("--batch-fresh-engines", action="store_true",
+                   help="start every sweep engine again for each round, so that a "
+                   "process's own speed varies between rounds instead of favouring one "
+                   "method for the whole sweep (a start-up and warm-up per engine and round)")
     p.add_argument("--dtype", default=config_default("dtype"))
     p.add_argument("--quick", action="store_true",
                    help="2 prompts of 3 short datasets, 24 tokens, no calibration")
     p.add_argument("--cache-dir", type=Path, default=None)
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: write report.md and the figures again from "
+                   "--out's results.json (with this version's report)")
     args = p.parse_args(argv)
+    if args.report_only:
+        return rewrite_report(p, args.out)
     if args.batch_rounds < 1:
         p.error(f"--batch-rounds must be >= 1, got {args.batch_rounds}")
     cpu_runtime_defaults()
@@ -173,7 +197,7 @@ def main(argv=None) -> int:
         dflash=str(dflash) if dflash is not None else None, dflash_block=args.dflash_block,
         dflash_calibration=dflash_calibration,
         batch_sizes=args.batch_sizes, batch_methods=args.batch_methods,
-        batch_rounds=args.batch_rounds,
+        batch_rounds=args.batch_rounds, batch_fresh_engines=args.batch_fresh_engines,
         command="vllm-graft bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])))
     results = run_bench(config)
     write_results(results, args.out)
