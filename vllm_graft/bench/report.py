@@ -229,8 +229,9 @@ def batch_section(results: dict) -> list[str]:
                          + (f"{speed[(name, 1)] / speed[('plain', 1)]:.2f}x (goal >= 1.15)"
                             if (name, 1) in speed and ("plain", 1) in speed else "n/a"))
     lines += noise_floor_lines({key: ratio(*key) for key in by if key[0] != "plain"})
-    lines += rounds_lines(by, fresh_engines(results))
-    lines += warmup_lines(results)
+    fresh = fresh_engines(results)
+    lines += rounds_lines(by, fresh)
+    lines += warmup_lines(results, fresh)
     for baseline in ("ngram", "eagle3"):
         pairs = [(d, ratio("graft_auto", 1, d, baseline))
                  for d in ("humaneval", "mtbench", "gsm8k")
@@ -318,7 +319,7 @@ def paired_interval(ratios: list[float], resamples: int = 4000, seed: int = 0
     return float(np.exp(logs.mean())), float(np.exp(low)), float(np.exp(high))
 
 
-def warmup_lines(results: dict) -> list[str]:
+def warmup_lines(results: dict, fresh: bool = False) -> list[str]:
     """What each sweep engine's untimed warm-up took: the one-off costs a fresh engine
     pays at its batch size (for budget "auto", its first measurement of every mode)."""
     warm = {(r["method"], r["batch"]): r["warmup_seconds"] for r in results["batch_rows"]
@@ -326,7 +327,7 @@ def warmup_lines(results: dict) -> list[str]:
     settings = results.get("config", {}).get("engine_warmup") or {}
     if not warm or not settings.get("prompts"):
         return []
-    when = "each start (median seconds over its starts)" if fresh_engines(results) \
+    when = "each start (median seconds over its starts)" if fresh \
         else "its first round (seconds)"
     return ["", f"Before {when} each engine generated {settings['tokens']} "
                 f"tokens for each of as many ShareGPT prompts as its batch, untimed: "

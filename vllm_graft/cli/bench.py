@@ -40,18 +40,22 @@ def default_dflash(target: str) -> Path | None:
     return drafter if (drafter / "config.json").is_file() else None
 
 
+def write_report(results: dict, out: Path) -> None:
+    """``report.md`` and the figures of ``results`` into ``out``; the report is printed."""
+    from vllm_graft.bench.report import markdown, plots
+
+    (out / "report.md").write_text(markdown(results))
+    plots(results, out)
+    print((out / "report.md").read_text())
+
+
 def rewrite_report(parser, out: Path) -> int:
     import json
-
-    from vllm_graft.bench.report import markdown, plots
 
     path = out / "results.json"
     if not path.is_file():
         parser.error(f"--report-only: no results file {path}")
-    results = json.loads(path.read_text())
-    (out / "report.md").write_text(markdown(results))
-    plots(results, out)
-    print((out / "report.md").read_text())
+    write_report(json.loads(path.read_text()), out)
     return 0
 
 
@@ -118,7 +122,6 @@ def main(argv=None) -> int:
         p.error(f"--batch-rounds must be >= 1, got {args.batch_rounds}")
     cpu_runtime_defaults()
 
-    from vllm_graft.bench.report import markdown, plots
     from vllm_graft.bench.runner import DFLASH_METHODS, BenchConfig, run_bench, write_results
     from vllm_graft.cli.calibrate import run_calibration
     from vllm_graft.cli.common import drafter_graft_keys
@@ -201,8 +204,6 @@ def main(argv=None) -> int:
         command="vllm-graft bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])))
     results = run_bench(config)
     write_results(results, args.out)
-    (args.out / "report.md").write_text(markdown(results))
-    plots(results, args.out)
-    print((args.out / "report.md").read_text())
+    write_report(results, args.out)
     agreement = results["greedy_agreement_with_plain"]
     return 0 if all(a["identical"] == a["total"] for a in agreement.values()) else 1
