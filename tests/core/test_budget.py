@@ -111,6 +111,15 @@ def test_path_probability_multiplies_along_ancestors():
     assert torch.allclose(got, torch.tensor([[1.0, 0.5, 0.25, 0.25, 0.0]], dtype=torch.float64))
 
 
+def test_cost_model_point_lookup_matches_the_tensor_curve():
+    """The per-step refresh reads the curve at one point in plain Python; it must read
+    what the tensor path reads, inside the curve and past both of its ends."""
+    cost = CostModel(curves={4: ([4.0, 8.0, 20.0, 68.0], [10.0, 10.5, 13.0, 31.0])})
+    for tokens in [0.0, 4.0, 5.5, 8.0, 19.0, 20.0, 40.0, 68.0, 100.0]:
+        expected = float(cost._curve_ms(4, torch.tensor([tokens], dtype=torch.float64))[0])
+        assert cost._curve_point_ms(4, tokens) == pytest.approx(expected)
+
+
 def test_cost_model_interpolates_extrapolates_and_tracks_measurements(tmp_path):
     cost = CostModel(curves={1: ([1.0, 65.0], [10.0, 12.0]), 9: ([9.0, 585.0], [20.0, 60.0])},
                      key={"model": "m", "device": "d", "dtype": "bf16", "layout": "tp1"})

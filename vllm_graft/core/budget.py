@@ -257,6 +257,14 @@ class CostModel:
         x0, x1, y0, y1 = xs[index - 1], xs[index], ys[index - 1], ys[index]
         return y0 + (tokens - x0) * (y1 - y0) / (x1 - x0)  # extrapolates at both ends
 
+    def _curve_point_ms(self, batch: int, tokens: float) -> float:
+        """:meth:`_curve_ms` at one point, in plain Python: it runs once per engine step,
+        where a handful of tiny tensor ops cost more than the arithmetic."""
+        xs, ys = self.curves[batch]
+        upper = min(max(bisect.bisect_left(xs, tokens), 1), len(xs) - 1)
+        x0, x1, y0, y1 = xs[upper - 1], xs[upper], ys[upper - 1], ys[upper]
+        return y0 + (tokens - x0) * (y1 - y0) / (x1 - x0)
+
     def observe(self, batch: int, total_tokens: int, measured_ms: float,
                 rate: float = 0.1) -> None:
         """Move the nearest measured curve toward a real step's forward time. Half of
@@ -269,7 +277,7 @@ class CostModel:
         if self.frozen:
             return
         nearest = min(self.curves, key=lambda size: abs(size - batch))
-        predicted = float(self._curve_ms(nearest, torch.tensor([float(total_tokens)]))[0])
+        predicted = self._curve_point_ms(nearest, float(total_tokens))
         if predicted <= 0 or measured_ms <= 0:
             return
         ratio = measured_ms / predicted

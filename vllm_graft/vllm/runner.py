@@ -28,6 +28,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from vllm.v1.outputs import SamplerOutput
@@ -213,20 +214,23 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
     CPU path is not lossless in 0.32).
     """
     step: GraftStep = runner._graft_step
+    sampling_metadata = runner.input_batch.sampling_metadata
+    trees = step.trees if step is not None else []
+    num_draft_tokens = spec_decode_metadata.num_draft_tokens
+    if not trees and runner.drafter.mode is StepMode.PLAIN and not any(num_draft_tokens):
+        # the guard's plain mode with no request carrying drafts: nothing to walk or to
+        # teach the matrix, so this is plain decoding's one sampler call on its logits
+        return runner.sampler(logits=logits, sampling_metadata=sampling_metadata)
     stats: GraftStats = runner._graft_stats
     start = device_clock(logits.device)
-    sampling_metadata = runner.input_batch.sampling_metadata
     device = logits.device
-    num_sampled = torch.as_tensor(spec_decode_metadata.num_draft_tokens, device=device) + 1
+    num_sampled = torch.as_tensor(num_draft_tokens, device=device) + 1
     starts = torch.cumsum(num_sampled, 0) - num_sampled  # first logits row per request
     batch = num_sampled.numel()
-    trees = step.trees if step is not None else []
     if not trees and runner.drafter.mode is StepMode.PLAIN:
-        # the guard's plain mode: no trees, nothing to teach the matrix, so this is
-        # plain decoding's one sampler call, on the logits as they are when no request
-        # carried drafts
-        rows = logits if logits.shape[0] == batch else logits[starts]
-        return runner.sampler(logits=rows, sampling_metadata=sampling_metadata)
+        # drafts that are not ours (e.g. padding after a resume): one sampler call on
+        # each request's first row, as when no request carried drafts
+        return runner.sampler(logits=logits[starts], sampling_metadata=sampling_metadata)
     host_tree = _batch_trees(trees, batch)
     tree = host_tree.to(device)
     row_topk = None
@@ -386,31 +390,41 @@ def settled_rows(runner, scheduler_output, sampled: torch.Tensor, step: GraftSte
     by_row = set()
     if step is not None and step.result is not None:
         by_row = {verified.batch_row for verified in step.trees}
-    sampled = sampled.cpu()
+    # read once as Python lists: per-row tensor and numpy element reads cost more than
+    # the rest of this loop at batch 32, and it runs every step
+    num_rows = len(batch.req_ids)
+    first_sampled = sampled[:, 0].tolist() if sampled.numel() else []
+    query_starts = runner.query_start_loc.np[:num_rows].tolist()
+    computed = batch.num_computed_tokens_cpu[:num_rows].tolist()
+    discard = runner.discard_request_mask.np[:num_rows].tolist()
+    token_columns = batch.token_ids_cpu.shape[1]  # rows not scheduled are read, not used
+    first_tokens = batch.token_ids_cpu[
+        np.arange(num_rows), np.minimum(computed, token_columns - 1)].tolist()
+    scheduled = scheduler_output.num_scheduled_tokens
+    spec = scheduler_output.scheduled_spec_decode_tokens
     out = []
     for row, req_id in enumerate(batch.req_ids):
-        num_scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+        num_scheduled = scheduled.get(req_id, 0)
         if num_scheduled == 0:
             continue
-        start = int(runner.query_start_loc.np[row])
-        prefix = int(batch.num_computed_tokens_cpu[row])
-        discarded = bool(runner.discard_request_mask.np[row])
+        start, prefix, discarded = query_starts[row], computed[row], bool(discard[row])
         if row in by_row:
             count = int(step.result.num_accepted[row])
             path = [0] + step.result.accepted_rows[row, :count].tolist()
             rows = [start + r for r in path]
             next_tokens = step.result.output_tokens[row, :count + 1].tolist()
         else:
-            drafts = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
-            real = num_scheduled - drafts
+            real = num_scheduled - len(spec.get(req_id, ()))
             rows = list(range(start, start + real))
-            token_ids = batch.token_ids_cpu[row]
-            next_tokens = token_ids[prefix + 1:prefix + real].tolist()
-            next_tokens.append(int(token_ids[prefix + real]) if discarded
-                               else int(sampled[row, 0]))
+            if real == 1 and not discarded:  # a decode row: the token sampled after it
+                next_tokens = [first_sampled[row]]
+            else:
+                token_ids = batch.token_ids_cpu[row]
+                next_tokens = token_ids[prefix + 1:prefix + real].tolist()
+                next_tokens.append(int(token_ids[prefix + real]) if discarded
+                                   else first_sampled[row])
         out.append(SettledRows(batch_row=row, rows=rows, next_tokens=next_tokens,
-                               first_position=prefix,
-                               first_token=int(batch.token_ids_cpu[row, prefix]),
+                               first_position=prefix, first_token=first_tokens[row],
                                drafts=not discarded))
     return out
 
