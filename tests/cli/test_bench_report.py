@@ -170,3 +170,18 @@ def test_report_only_rewrites_the_report_from_the_results_file(tmp_path, capsys)
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path / "missing"), "--report-only"])
     assert "no results file" in capsys.readouterr().err
+
+
+def test_step_split_reports_what_each_method_adds_to_plain_besides_the_target():
+    def split(method, dataset, step, target, batch=32):
+        return {**row(method, dataset, 1.0, 1.0, batch=batch), "step_ms": step,
+                "target_ms": target, "other_ms": step - target}
+
+    batch_rows = [split("plain", "a", 100.0, 88.0), split("plain", "b", 110.0, 98.0),
+                  # a slower process: more target time, the same rest plus one ms
+                  split("graft_auto", "a", 111.0, 98.0), split("graft_auto", "b", 121.0, 108.0)]
+    lines = "\n".join(batch_section(results([], batch_rows)))
+    assert "- batch 32: plain 105.0 = 93.0 + 12.00" in lines
+    assert "graft_auto 116.0 = 103.0 + 13.00 (+1.00 ms, +1.0 % of plain's step)" in lines
+    no_split = [row("plain", "a", 1.0, 1.0, batch=8), row("graft_auto", "a", 1.0, 1.0, batch=8)]
+    assert "Median decoding step" not in "\n".join(batch_section(results([], no_split)))

@@ -44,3 +44,7 @@ def test_bench_quick_runs_every_method_losslessly(tmp_path):
     report = (out / "report.md").read_text()
     assert "Before each start (median seconds over its starts) each engine generated" in report
     assert "was started afresh for each round" in report
+    # every row splits its median decoding step into the target's compute and the rest
+    rows = [r for r in results["rows"] + swept if r["dataset"] != "_engine"]
+    assert all(0 < r["target_ms"] < r["step_ms"] and r["other_ms"] > 0 for r in rows), rows
+    assert "Median decoding step (ms, mean over datasets)" in report

@@ -231,6 +231,7 @@ def batch_section(results: dict) -> list[str]:
     lines += noise_floor_lines({key: ratio(*key) for key in by if key[0] != "plain"})
     fresh = fresh_engines(results)
     lines += rounds_lines(by, fresh)
+    lines += step_split_lines(by)
     lines += warmup_lines(results, fresh)
     for baseline in ("ngram", "eagle3"):
         pairs = [(d, ratio("graft_auto", 1, d, baseline))
@@ -302,6 +303,37 @@ def rounds_lines(by: dict, fresh: bool = False) -> list[str]:
                               f"(median {statistics.median(v):.2f}, mean "
                               "{:.2f} in {:.2f}-{:.2f})".format(*paired_interval(v))
                               for (name, batch), v in sorted(spreads.items()))]
+    return lines
+
+
+def step_split_lines(by: dict) -> list[str]:
+    """Each engine's median decoding step split into the target's forward and logits
+    and everything else (scheduling, sampling, drafting, Graft's bookkeeping), averaged
+    over the datasets, and what the rest adds to plain decoding's: the target's compute
+    runs at the speed of the process and the machine, which differ from one engine to
+    the next by more than a method's own cost; the rest is that cost."""
+    split: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
+    for (name, batch, _), row in by.items():
+        if "other_ms" in row:
+            split.setdefault((name, batch), []).append(
+                (row["step_ms"], row["target_ms"], row["other_ms"]))
+    if not split:
+        return []
+    lines = ["", "Median decoding step (ms, mean over datasets): the whole step = the "
+                 "target's forward and logits + the rest (scheduling, sampling, drafting, "
+                 "Graft's bookkeeping); the rest against plain decoding's at that batch:"]
+    for batch in sorted({b for _, b in split}):
+        means = {name: [statistics.fmean(v) for v in zip(*values)]
+                 for (name, b), values in split.items() if b == batch}
+        plain = means.get("plain")
+        cells = []
+        for name, (step, target, other) in means.items():
+            cell = f"{name} {step:.1f} = {target:.1f} + {other:.2f}"
+            if plain is not None and name != "plain":
+                extra = other - plain[2]
+                cell += f" ({extra:+.2f} ms, {100 * extra / plain[0]:+.1f} % of plain's step)"
+            cells.append(cell)
+        lines.append(f"- batch {batch}: " + "; ".join(cells))
     return lines
 
 

@@ -259,6 +259,10 @@ class _ServedEngine:
         self.replies.close()
 
 
+#: a dataset run's median decoding step, split (:func:`vllm_graft.bench.worker.step_split`)
+STEP_SPLIT_KEYS = ("step_ms", "target_ms", "other_ms")
+
+
 def run_engines_interleaved(config: BenchConfig, specs: dict[str, dict | None],
                             prompt_ids: dict[str, list], max_model_len: int,
                             rounds: int) -> dict[str, dict]:
@@ -320,8 +324,11 @@ def run_engines_interleaved(config: BenchConfig, specs: dict[str, dict | None],
         for dataset in prompt_ids:
             first, *later = runs[(label, dataset)]
             seconds = [run["seconds"] for run in runs[(label, dataset)]]
+            split = {key: statistics.median(run[key] for run in runs[(label, dataset)])
+                     for key in STEP_SPLIT_KEYS if key in first}
             datasets_out[dataset] = {
-                **first, "seconds": statistics.median(seconds), "round_seconds": seconds,
+                **first, **split, "seconds": statistics.median(seconds),
+                "round_seconds": seconds,
                 "rounds_identical": sum(
                     all(run["tokens"][i] == tokens for run in later)
                     for i, tokens in enumerate(first["tokens"]))}
@@ -373,6 +380,9 @@ def run_methods(config: BenchConfig, prompt_ids: dict[str, list], method_list,
                 decoded = sum(len(t) for t in tokens) - len(tokens)
                 steps = max(sum(data["steps"]) - len(tokens), 1)
                 row["tokens_per_step"] = round(decoded / steps, 3)
+            for key in STEP_SPLIT_KEYS:  # median per decoding step (over rounds)
+                if key in data:
+                    row[key] = round(data[key], 3)
             if "round_seconds" in data:
                 generated = sum(len(t) for t in tokens)
                 row["round_tokens_per_s"] = [round(generated / max(x, 1e-9), 2)

@@ -20,16 +20,22 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 
 
-def generate_counting_steps(llm, prompts: list, params) -> tuple[list[list[int]], list[int]]:
+def generate_counting_steps(llm, prompts: list, params, clock=None
+                            ) -> tuple[list[list[int]], list[int], list[tuple[float, float]]]:
     """Greedy generation through the engine's own step loop, with outputs streamed as
     deltas: each output a request receives is one decoding step that emitted tokens for
     it (the first one is the prefill's token). vLLM's speculative counters only count
     steps that carried drafts, so this is how steps without any draft (prompt lookup
-    without a match, a request decoded plainly) are counted too."""
+    without a match, a request decoded plainly) are counted too.
+
+    With a :class:`~vllm_graft.vllm.timing.TargetComputeClock`, also returns for every
+    decoding step (every request past its prefill) its wall seconds and the seconds of
+    the target's forward and logits in it."""
     from vllm.sampling_params import RequestOutputKind
 
     params = params.clone()
@@ -40,13 +46,32 @@ def generate_counting_steps(llm, prompts: list, params) -> tuple[list[list[int]]
         engine.add_request(request_id, prompt, params)
     tokens = {request_id: [] for request_id in ids}
     steps = dict.fromkeys(ids, 0)
+    split = []
+    prefilled = 0  # requests that received their first token
     while engine.has_unfinished_requests():
-        for output in engine.step():
+        decoding = clock is not None and prefilled == len(ids)
+        compute, start = (clock.seconds, time.perf_counter()) if decoding else (0.0, 0.0)
+        outputs = engine.step()
+        if decoding:
+            split.append((time.perf_counter() - start, clock.seconds - compute))
+        for output in outputs:
             new = output.outputs[0].token_ids
             if new:
                 tokens[output.request_id] += list(new)
+                prefilled += steps[output.request_id] == 0
                 steps[output.request_id] += 1
-    return [tokens[i] for i in ids], [steps[i] for i in ids]
+    return [tokens[i] for i in ids], [steps[i] for i in ids], split
+
+
+def step_split(split: list[tuple[float, float]]) -> dict:
+    """Medians over decoding steps, in ms: the whole step, the target's forward and
+    logits, and the rest (each step's own difference)."""
+    if not split:
+        return {}
+    return {"decode_steps": len(split),
+            "step_ms": round(statistics.median(s for s, _ in split) * 1e3, 3),
+            "target_ms": round(statistics.median(t for _, t in split) * 1e3, 3),
+            "other_ms": round(statistics.median(s - t for s, t in split) * 1e3, 3)}
 
 
 def warm_up(llm, job: dict) -> float:
@@ -67,9 +92,10 @@ def warm_up(llm, job: dict) -> float:
     return time.perf_counter() - start
 
 
-def run_dataset(llm, job: dict, name: str) -> dict:
+def run_dataset(llm, job: dict, name: str, clock=None) -> dict:
     """Generate one dataset of the job as one batch: its tokens, steps per request, the
-    engine's counter deltas and the wall time."""
+    engine's counter deltas, the wall time, and with a ``clock`` the median split of
+    its decoding steps (:func:`step_split`)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -84,22 +110,25 @@ def run_dataset(llm, job: dict, name: str) -> dict:
     llm.reset_prefix_cache()
     before = counters(llm)
     start = time.perf_counter()
-    tokens, steps = generate_counting_steps(
-        llm, [TokensPrompt(prompt_token_ids=p) for p in job["datasets"][name]], params)
+    tokens, steps, split = generate_counting_steps(
+        llm, [TokensPrompt(prompt_token_ids=p) for p in job["datasets"][name]], params,
+        clock)
     seconds = time.perf_counter() - start
-    return {"tokens": tokens, "steps": steps,
+    return {"tokens": tokens, "steps": steps, **step_split(split),
             "delta": counter_delta(counters(llm), before), "seconds": seconds}
 
 
 def run_job(job: dict) -> dict:
     from vllm_graft.cli.common import engine
+    from vllm_graft.vllm.timing import install_target_clock
 
     out = {"datasets": {}}
     started = time.time()
     with engine(job["target"], job["spec"], **job["engine"]) as llm:
+        clock = install_target_clock(llm)
         out["warmup_seconds"] = warm_up(llm, job)
         for name in job["datasets"]:
-            out["datasets"][name] = run_dataset(llm, job, name)
+            out["datasets"][name] = run_dataset(llm, job, name, clock)
     out["wall_seconds"] = time.time() - started
     return out
 
@@ -108,18 +137,20 @@ def serve_job(job: dict, commands, replies) -> None:
     """The engine of ``job`` kept alive, running the datasets it is told to (module
     docstring)."""
     from vllm_graft.cli.common import engine
+    from vllm_graft.vllm.timing import install_target_clock
 
     def reply(message: dict) -> None:
         replies.write(json.dumps(message) + "\n")
         replies.flush()
 
     with engine(job["target"], job["spec"], **job["engine"]) as llm:
+        clock = install_target_clock(llm)
         reply({"ready": True, "warmup_seconds": warm_up(llm, job)})
         for line in commands:
             command = json.loads(line)
             if command.get("stop"):
                 break
-            reply(run_dataset(llm, job, command["dataset"]))
+            reply(run_dataset(llm, job, command["dataset"], clock))
 
 
 def main() -> int:

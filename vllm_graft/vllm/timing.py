@@ -55,3 +55,51 @@ class SpanTimer:
         total = self.seconds + sum(s.elapsed_time(e) for s, e in self.events) / 1e3
         self.seconds, self.events = 0.0, []
         return total
+
+
+class TargetComputeClock:
+    """Wall seconds the target model spent in its forward and its logits, summed over
+    engine steps: the benchmark splits each step into that and everything else (the
+    engine's scheduling and sampling, a drafter's forwards, Graft's bookkeeping). The
+    target's compute runs as fast or as slow as the process and the machine let it;
+    the rest is what a speculative method adds, and its difference from plain decoding
+    is measurable without the process-to-process spread of whole runs.
+
+    Installed on an engine in this process (:func:`install_target_clock`) as instance
+    wrappers of ``GPUModelRunner._model_forward`` and the model's ``compute_logits``;
+    CPU only (on a GPU the forward returns before the device finishes it)."""
+
+    def __init__(self, runner):
+        self.seconds = 0.0
+        for owner, name in ((runner, "_model_forward"), (runner.model, "compute_logits")):
+            setattr(owner, name, self._timed(getattr(owner, name)))
+
+    def _timed(self, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        return timed
+
+
+#: the clocks installed in this process, by the engine's ``id`` (see install_target_clock)
+TARGET_CLOCKS: dict[int, TargetComputeClock] = {}
+
+
+def _install_in_worker(worker, key: int) -> bool:
+    """Run in the worker through ``LLM.collective_rpc``."""
+    runner = worker.model_runner
+    if runner.device.type != "cpu":
+        return False
+    TARGET_CLOCKS[key] = TargetComputeClock(runner)
+    return True
+
+
+def install_target_clock(llm) -> TargetComputeClock | None:
+    """A :class:`TargetComputeClock` on ``llm``'s worker, or None where the worker runs
+    in another process or on a GPU (the benchmark then reports no split)."""
+    key = id(llm)
+    installed = llm.collective_rpc(_install_in_worker, args=(key,))
+    return TARGET_CLOCKS.pop(key, None) if all(installed) else None
