@@ -28,6 +28,11 @@ through the general-plugin entry point.
 | 13 | ``v1.core.sched.scheduler.Scheduler.update_from_output`` / ``make_stats`` | sum counters |
 | 14 | ``v1.engine.EngineCoreOutputs.__annotations__`` (``scheduler_stats``) | carry counters |
 | 15 | ``v1.metrics.loggers.PrometheusStatLogger.__init__`` / ``record`` | export counters |
+
+Outside this list, and not through :func:`apply_all`: the benchmark's worker times the
+target on one in-process CPU engine by wrapping that engine's runner instance's
+``_model_forward`` and its model's ``compute_logits``
+(:class:`vllm_graft.vllm.timing.TargetComputeClock`); no class is changed.
 """
 
 from __future__ import annotations
