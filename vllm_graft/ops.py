@@ -63,8 +63,9 @@ def successor_gather(
         parent_tokens: ``[N]`` int32 or int64 token id of each node's parent,
             in ``[-1, V)``; ``-1`` means "no parent" and yields ``-1``.
         ranks: ``[N]``, same dtype as ``parent_tokens``, in ``[0, k)``.
-        check: validate the id ranges first (raises ``ValueError``; costs a
-            device sync on GPU). ``False`` skips it for hot paths.
+        check: on a GPU, validate the id ranges first (raises ``ValueError``;
+            one device sync). ``False`` skips it for hot paths. The CPU kernel
+            always validates.
 
     Returns:
         ``[N]`` int32 on the device of ``successors``: the successor token, or
@@ -81,7 +82,7 @@ def successor_gather(
         >>> successor_gather(successors, torch.tensor([0, 2, -1]), torch.tensor([1, 0, 0]))
         tensor([ 2,  0, -1], dtype=torch.int32)
     """
-    if check:
+    if check and not successors.is_cpu:  # the CPU kernel checks ranges itself
         _check_gather_ids(successors, parent_tokens, ranks)
     return torch.ops.vllm_graft.successor_gather.default(successors, parent_tokens, ranks)
 
@@ -111,8 +112,9 @@ def successor_update_(
             most likely first, each in ``[0, V)``; rows of skipped nodes
             (``tokens[i] == -1``) are never read, so they may hold anything
             (``logits_topk`` leaves -1 there).
-        check: validate the id ranges first (raises ``ValueError``; costs a
-            device sync on GPU). ``False`` skips it for hot paths.
+        check: on a GPU, validate the id ranges first (raises ``ValueError``;
+            one device sync). ``False`` skips it for hot paths. The CPU kernel
+            always validates, before writing anything.
 
     Raises:
         RuntimeError: wrong dtype, dimension, length, ``k``, layout or device.
@@ -131,7 +133,7 @@ def successor_update_(
                 [-1, -1],
                 [ 2,  1]], dtype=torch.int32)
     """
-    if check:
+    if check and not successors.is_cpu:  # the CPU kernel checks ranges itself
         _check_update_ids(successors, tokens, next_tokens)
     torch.ops.vllm_graft.successor_update_.default(successors, tokens, next_tokens)
 

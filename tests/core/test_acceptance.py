@@ -239,3 +239,35 @@ def test_shape_mismatch_is_refused():
     tree = _fixed_tree(2)
     with pytest.raises(ValueError, match="tree has shape"):
         accept_tree(tree, torch.zeros(2, 3, VOCAB), SamplingBatch.greedy(2))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_greedy_chain_walk_equals_the_tree_walk_on_chains(seed):
+    """Chains (copy chains, Graft-TAIL, bare roots) are accepted with a running
+    product over their rows; it must give exactly what the general walk gives."""
+    from vllm_graft.core.acceptance import greedy_chain_walk, greedy_walk
+    from vllm_graft.core.chain import build_chains, copied_to_tensor
+    from vllm_graft.core.successor import SuccessorMatrix
+
+    vocab, batch, length = 10, 64, 7
+    g = torch.Generator().manual_seed(seed)
+    table = torch.stack([torch.randperm(vocab, generator=g)[:2] for _ in range(vocab)])
+    table[torch.randint(vocab, (3,), generator=g), 0] = -1  # misses end some walks
+    matrix = SuccessorMatrix(table.to(torch.int32).contiguous())
+    copied = [torch.randint(vocab, (int(torch.randint(0, 5, (), generator=g)),),
+                            generator=g).tolist() for _ in range(batch)]
+    copied[0] = []  # a chain that is a bare root
+    chains = build_chains(torch.randint(vocab, (batch,), generator=g),
+                          copied_to_tensor(copied, length), matrix, length, max_walk=2)
+    chains.tokens[0, 1:], chains.valid[0, 1:] = -1, False
+    # the target follows the chain with probability 0.75 at each row, else a random token
+    follow = torch.rand(batch, length + 1, generator=g) < 0.75
+    next_in_chain = torch.cat([chains.tokens[:, 1:], torch.full((batch, 1), -1)], dim=1)
+    row_tokens = torch.where(follow & (next_in_chain >= 0), next_in_chain,
+                             torch.randint(vocab, (batch, length + 1), generator=g))
+    want = greedy_walk(chains, row_tokens)
+    got = greedy_chain_walk(chains, row_tokens)
+    for field in ("accepted_rows", "output_tokens", "num_accepted"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    accepted = want.num_accepted.tolist()
+    assert accepted[0] == 0 and max(accepted) >= 3 and min(accepted[1:]) == 0

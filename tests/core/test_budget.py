@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -113,10 +114,10 @@ def test_path_probability_multiplies_along_ancestors():
 
 def test_cost_model_point_lookup_matches_the_tensor_curve():
     """The per-step refresh reads the curve at one point in plain Python; it must read
-    what the tensor path reads, inside the curve and past both of its ends."""
+    what the sizer's array path reads, inside the curve and past both of its ends."""
     cost = CostModel(curves={4: ([4.0, 8.0, 20.0, 68.0], [10.0, 10.5, 13.0, 31.0])})
     for tokens in [0.0, 4.0, 5.5, 8.0, 19.0, 20.0, 40.0, 68.0, 100.0]:
-        expected = float(cost._curve_ms(4, torch.tensor([tokens], dtype=torch.float64))[0])
+        expected = float(cost._curve_ms(4, np.array([tokens]))[0])
         assert cost._curve_point_ms(4, tokens) == pytest.approx(expected)
 
 

@@ -128,6 +128,53 @@ def test_the_sizer_cuts_chains_where_verifying_them_costs():
     assert cut.parents[0, :n].tolist() == list(range(-1, n - 1))  # still a chain
 
 
+def test_the_chain_sizing_path_matches_the_general_one():
+    """A chain step sizes its chains with a running product and cuts them in place
+    (:func:`chain_path_probability`, :func:`trim_chains`); on random chains, scores,
+    acceptance counts and cost curves that is exactly the general path's choice and
+    tree (:func:`path_probability`, :func:`trim_tree`)."""
+    from dataclasses import fields
+
+    from vllm_graft.core.budget import (AcceptanceModel, CostModel, TreeSizer,
+                                        chain_path_probability, choose_nodes,
+                                        path_probability)
+    from vllm_graft.core.hybrid import trim_chains, trim_tree
+
+    rng = random.Random(1)
+    generator = torch.Generator().manual_seed(1)
+    cut_somewhere = 0
+    for _ in range(60):
+        pairs = {rng.randrange(VOCAB): rng.randrange(VOCAB) for _ in range(40)}
+        batch, length = rng.randint(1, 8), rng.randint(1, 10)
+        copied = [[rng.randrange(VOCAB) for _ in range(rng.randint(0, 6))]
+                  for _ in range(batch)]
+        chains = build_chains(torch.tensor([rng.randrange(VOCAB) for _ in range(batch)]),
+                              copied_to_tensor(copied, length), matrix_with(pairs), length,
+                              rng.choice([None, 1, 3]))
+        chains = chains.with_score(torch.rand(chains.tokens.shape, generator=generator,
+                                              dtype=torch.float64))
+        acceptance = AcceptanceModel(explore=rng.choice([0.0, 1.0]))
+        acceptance.accepts += torch.rand(acceptance.accepts.shape, generator=generator) * 20
+        acceptance.trials += acceptance.accepts + torch.rand(acceptance.trials.shape,
+                                                             generator=generator) * 20
+        slope = rng.uniform(0.0, 3.0)
+        cost = CostModel(curves={1: ([1.0, 8.0, 64.0], [10.0, 10.0 + slope, 10.0 + 9 * slope])})
+        sizer = TreeSizer(cost, acceptance)
+
+        conditional = acceptance.optimistic(chains.source, chains.depths, chains.score)
+        general = path_probability(chains.parents, chains.depths, chains.valid, conditional)
+        assert torch.equal(chain_path_probability(chains.valid, conditional), general)
+        choice = choose_nodes(general, chains.valid, cost, mode=StepMode.CHAIN)
+        want = trim_tree(chains, choice.keep.clone())
+        got, got_choice = sizer.trim(chains, mode=StepMode.CHAIN)
+        assert torch.equal(got_choice.keep, choice.keep)
+        for field in fields(want):
+            assert torch.equal(getattr(got, field.name), getattr(want, field.name)), field.name
+        assert torch.equal(trim_chains(chains, choice.keep.clone()).ancestor, want.ancestor)
+        cut_somewhere += bool((got.num_nodes < chains.num_nodes).any())
+    assert 10 < cut_somewhere < 60  # the cases cut chains, and not always
+
+
 def test_best_match_reports_the_match_length_and_its_score_bucket():
     from vllm_graft.core.budget import AcceptanceModel
     from vllm_graft.core.context import match_score

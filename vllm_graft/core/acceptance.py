@@ -158,15 +158,20 @@ def walk_tree(tree: HybridTree, sample_level: LevelSampler) -> AcceptanceResult:
     return AcceptanceResult(accepted_rows[:, :max_steps - 1].contiguous(), output, num_accepted)
 
 
+def _check_row_tokens(tree: HybridTree, row_tokens: torch.Tensor) -> None:
+    """``row_tokens`` must have the tree's ``[B, N+1]`` shape."""
+    if row_tokens.shape != tree.tokens.shape:
+        raise ValueError(f"row_tokens has shape {tuple(row_tokens.shape)}, tree "
+                         f"{tuple(tree.tokens.shape)}")
+
+
 def greedy_walk(tree: HybridTree, row_tokens: torch.Tensor) -> AcceptanceResult:
     """:func:`walk_tree` for a batch of greedy requests, given the target's choice at
     every row: ``row_tokens`` [B, N+1] (the argmax at each row; anything at rows the
     walk cannot reach). Every level is the same few batched operations whatever the
     batch, with no host read on a GPU (the CPU stops once every request has stopped)."""
-    batch, rows = tree.tokens.shape
-    if row_tokens.shape != (batch, rows):
-        raise ValueError(f"row_tokens has shape {tuple(row_tokens.shape)}, tree "
-                         f"{tuple(tree.tokens.shape)}")
+    _check_row_tokens(tree, row_tokens)
+    batch = tree.tokens.shape[0]
     device = tree.tokens.device
     max_steps = tree.max_depth + 1
     row_tokens = row_tokens.to(device).long()
@@ -189,6 +194,24 @@ def greedy_walk(tree: HybridTree, row_tokens: torch.Tensor) -> AcceptanceResult:
             break
     num_accepted = (accepted_rows >= 0).sum(1)
     return AcceptanceResult(accepted_rows[:, :max_steps - 1].contiguous(), output, num_accepted)
+
+
+def greedy_chain_walk(tree: HybridTree, row_tokens: torch.Tensor) -> AcceptanceResult:
+    """:func:`greedy_walk` for chains (row ``j``'s parent is row ``j - 1``, the valid rows
+    a prefix; a bare root is a chain): a chain is accepted up to its first node that is
+    not the target's choice at the row before it, a running product over the rows
+    instead of one pass per level."""
+    _check_row_tokens(tree, row_tokens)
+    device = tree.tokens.device
+    steps = tree.max_depth + 1
+    row_tokens = row_tokens.to(device).long()[:, :steps]
+    match = (tree.tokens[:, 1:steps] == row_tokens[:, :steps - 1]) & tree.valid[:, 1:steps]
+    num_accepted = match.long().cumprod(dim=1).sum(dim=1)
+    positions = torch.arange(steps, device=device)
+    accepted = num_accepted.unsqueeze(1)
+    output = torch.where(positions <= accepted, row_tokens, -1)
+    accepted_rows = torch.where(positions[:-1] < accepted, positions[1:], -1)
+    return AcceptanceResult(accepted_rows, output, num_accepted)
 
 
 def accept_tree(tree: HybridTree, target_logits: torch.Tensor, params: SamplingBatch,

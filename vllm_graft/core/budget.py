@@ -30,11 +30,12 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from vllm_graft.core.acceptance import AcceptanceResult
 from vllm_graft.core.config import StepMode
-from vllm_graft.core.hybrid import SOURCE_CONTEXT, HybridTree, trim_tree
+from vllm_graft.core.hybrid import SOURCE_CONTEXT, HybridTree, trim_chains, trim_tree
 
 #: the acceptance model's source classes; a context-copied node is ``context`` whatever
 #: else proposed it
@@ -201,10 +202,31 @@ class CostModel:
             # more query tokens never make a forward cheaper: a dip is measurement noise
             self.curves[batch] = (list(tokens), non_decreasing(ms))
 
+    # The cost model is a handful of host floats that change every step, so it is
+    # evaluated on the host with numpy: a dozen tiny tensor ops per sizing cost more
+    # than the arithmetic, and no device copy of the curves could be kept. The tensor
+    # methods convert at their edges.
     def verify_ms(self, batch: int, total_tokens: torch.Tensor) -> torch.Tensor:
-        """Forward time for ``total_tokens`` (any shape) query tokens at ``batch``."""
+        """Forward time for ``total_tokens`` (any shape) query tokens at ``batch``
+        (float64, on ``total_tokens``' device)."""
+        return self._to_tensor(self._verify_ms(batch, self._host(total_tokens)), total_tokens)
+
+    def step_ms(self, batch: int, nodes: torch.Tensor,
+                mode: StepMode = StepMode.TREE) -> torch.Tensor:
+        """Time of a ``mode`` step that verifies ``nodes`` nodes in total (plus the
+        batch's roots); a step with no node is plain decoding and pays what it does."""
+        return self._to_tensor(self._step_ms(batch, self._host(nodes), mode), nodes)
+
+    @staticmethod
+    def _host(values: torch.Tensor) -> np.ndarray:
+        return values.detach().to("cpu", torch.float64).numpy()
+
+    @staticmethod
+    def _to_tensor(values: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(values, dtype=np.float64)).to(like.device)
+
+    def _verify_ms(self, batch: int, total_tokens: np.ndarray) -> np.ndarray:
         sizes = sorted(self.curves)
-        total_tokens = total_tokens.to(torch.float64)
         if batch <= sizes[0] or batch >= sizes[-1]:
             nearest = sizes[0] if batch <= sizes[0] else sizes[-1]
             return self._curve_ms(nearest, total_tokens)
@@ -219,14 +241,10 @@ class CostModel:
         weight = (batch - lower) / (upper - lower)
         return low + weight * (high - low)
 
-    def step_ms(self, batch: int, nodes: torch.Tensor,
-                mode: StepMode = StepMode.TREE) -> torch.Tensor:
-        """Time of a ``mode`` step that verifies ``nodes`` nodes in total (plus the
-        batch's roots); a step with no node is plain decoding and pays what it does."""
-        nodes = nodes.to(torch.float64)
+    def _step_ms(self, batch: int, nodes: np.ndarray, mode: StepMode) -> np.ndarray:
         plain, fixed, per_node = self.other_costs(batch, mode)
-        other = torch.where(nodes > 0, fixed + per_node * nodes, torch.full_like(nodes, plain))
-        return self.verify_ms(batch, batch + nodes) + other
+        other = np.where(nodes > 0, fixed + per_node * nodes, plain)
+        return self._verify_ms(batch, batch + nodes) + other
 
     def other_costs(self, batch: int, mode: StepMode) -> tuple[float, float, float]:
         """What a step at ``batch`` costs besides the forward: ``(plain decoding's,
@@ -250,16 +268,15 @@ class CostModel:
         if not self.frozen:
             self.steps.observe(mode, batch, nodes, step_ms - forward_ms, self.per_node_ms)
 
-    def _curve_ms(self, batch: int, tokens: torch.Tensor) -> torch.Tensor:
-        xs = torch.tensor(self.curves[batch][0], dtype=torch.float64, device=tokens.device)
-        ys = torch.tensor(self.curves[batch][1], dtype=torch.float64, device=tokens.device)
-        index = torch.searchsorted(xs, tokens.contiguous()).clamp(1, xs.numel() - 1)
+    def _curve_ms(self, batch: int, tokens: np.ndarray) -> np.ndarray:
+        xs, ys = (np.asarray(values, dtype=np.float64) for values in self.curves[batch])
+        index = np.clip(np.searchsorted(xs, tokens), 1, xs.size - 1)
         x0, x1, y0, y1 = xs[index - 1], xs[index], ys[index - 1], ys[index]
         return y0 + (tokens - x0) * (y1 - y0) / (x1 - x0)  # extrapolates at both ends
 
     def _curve_point_ms(self, batch: int, tokens: float) -> float:
         """:meth:`_curve_ms` at one point, in plain Python: it runs once per engine step,
-        where a handful of tiny tensor ops cost more than the arithmetic."""
+        where even numpy's per-call cost exceeds the arithmetic."""
         xs, ys = self.curves[batch]
         upper = min(max(bisect.bisect_left(xs, tokens), 1), len(xs) - 1)
         x0, x1, y0, y1 = xs[upper - 1], xs[upper], ys[upper - 1], ys[upper]
@@ -430,6 +447,15 @@ def path_probability(parents: torch.Tensor, depths: torch.Tensor, valid: torch.T
     return torch.where(valid, prob, torch.zeros_like(prob))
 
 
+def chain_path_probability(valid: torch.Tensor, conditional: torch.Tensor) -> torch.Tensor:
+    """:func:`path_probability` of chains (row ``j``'s parent is row ``j - 1``, the valid
+    rows a prefix): a running product along each row, in one op instead of one pass
+    per depth."""
+    prob = torch.where(valid, conditional.double(), 0.0)
+    prob[:, 0] = 1.0
+    return prob.cumprod(dim=1)
+
+
 # ---- choice -----------------------------------------------------------------------------
 @dataclass
 class Choice:
@@ -458,9 +484,8 @@ def choose_nodes(path_prob: torch.Tensor, valid: torch.Tensor, cost: CostModel,
         available = min(available, max_nodes)
     gains = torch.cat([torch.zeros(1, dtype=torch.float64, device=device),
                        flat[order[:available]].cumsum(0)])
-    counts = torch.arange(available + 1, device=device)
     expected = batch + gains
-    time = cost.step_ms(batch, counts, mode)
+    time = cost.step_ms(batch, torch.arange(available + 1), mode).to(device)  # host math
     best = int(torch.argmax(expected / time))
     keep = torch.zeros(batch * rows, dtype=torch.bool, device=device)
     keep[order[:best]] = True
@@ -637,16 +662,22 @@ class TreeSizer:
 
     def choose(self, tree: HybridTree, score: torch.Tensor | None = None,
                mode: StepMode = StepMode.TREE) -> Choice:
+        """``mode``: the kind of step the tree is verified in (its costs apply); a chain
+        step's tree is a copy chain per request (:func:`vllm_graft.core.chain.build_chains`)."""
         conditional = self.acceptance.optimistic(tree.source, tree.depths,
                                                  self._score(tree, score))
-        prob = path_probability(tree.parents, tree.depths, tree.valid, conditional)
+        if mode is StepMode.CHAIN:
+            prob = chain_path_probability(tree.valid, conditional)
+        else:
+            prob = path_probability(tree.parents, tree.depths, tree.valid, conditional)
         return choose_nodes(prob, tree.valid, self.cost, mode=mode)
 
     def trim(self, tree: HybridTree, score: torch.Tensor | None = None,
              mode: StepMode = StepMode.TREE) -> tuple[HybridTree, Choice]:
-        """``mode``: the kind of step the tree is verified in (a copy chain's costs
-        are not a drafted tree's)."""
+        """The tree cut to :meth:`choose`'s nodes (a chain to its first ones)."""
         choice = self.choose(tree, score, mode)
+        if mode is StepMode.CHAIN:
+            return trim_chains(tree, choice.keep), choice
         return trim_tree(tree, choice.keep), choice
 
     def observe(self, tree: HybridTree, result: AcceptanceResult,

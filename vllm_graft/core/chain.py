@@ -38,8 +38,8 @@ def build_chains(roots: torch.Tensor, copied: torch.Tensor,
     the copied ones (None: up to ``length``); a miss ends the chain. Sources:
     ``prefix_source`` for the given prefix (``SOURCE_CONTEXT`` for copied context,
     ``SOURCE_DRAFT`` for Graft-TAIL's drafted prefix), ``SOURCE_RETRIEVED`` for walked
-    ones. Batched:
-    one matrix gather per chain position for the whole batch, no host read.
+    ones. Batched: one matrix gather per walked position for the whole batch (at most
+    ``max_walk``), no host read.
     """
     if length < 0 or (max_walk is not None and max_walk < 0):
         raise ValueError(f"chain length and max_walk must be >= 0, got {length}, {max_walk}")
@@ -47,22 +47,28 @@ def build_chains(roots: torch.Tensor, copied: torch.Tensor,
         raise ValueError(f"build_chains needs roots [B] and copied [B, C], got "
                          f"{tuple(roots.shape)} and {tuple(copied.shape)}")
     batch, device = roots.shape[0], roots.device
-    tokens = torch.full((batch, length + 1), -1, dtype=torch.int64, device=device)
-    source = torch.zeros((batch, length + 1), dtype=torch.uint8, device=device)
+    # one scratch column past the chain takes the walk's writes beyond ``length``
+    tokens = torch.full((batch, length + 2), -1, dtype=torch.int64, device=device)
     tokens[:, 0] = roots
     width = min(length, copied.shape[1])
-    tokens[:, 1:width + 1] = copied[:, :width].to(device)
-    source[:, 1:width + 1] = torch.where(copied[:, :width].to(device) >= 0,
-                                         prefix_source, 0).to(torch.uint8)
-    walk_end = (tokens[:, 1:] >= 0).sum(1) + (length if max_walk is None else max_walk)
-    rank = torch.zeros(batch, dtype=torch.int64, device=device)
-    for j in range(1, length + 1):
-        walk = (tokens[:, j] < 0) & (j <= walk_end)
-        walked = matrix.gather(tokens[:, j - 1], rank).to(torch.int64)
-        tokens[:, j] = torch.where(walk, walked, tokens[:, j])
-        source[:, j] = torch.where(walk & (walked >= 0), SOURCE_RETRIEVED, source[:, j])
-    valid = tokens >= 0
+    prefix = copied[:, :width].to(device)
+    tokens[:, 1:width + 1] = prefix
+    num_copied = (prefix >= 0).sum(1, keepdim=True)
+    walks = length if max_walk is None else min(max_walk, length)
+    # the walk's columns: right after each chain's copied tokens
+    columns = (num_copied + 1 + torch.arange(walks, device=device)).clamp(max=length + 1)
+    last = tokens.gather(1, num_copied).squeeze(1)  # the root, or the last copied token
+    ranks = torch.zeros(batch, dtype=torch.int64, device=device)
+    for step in range(walks):  # a miss walks on from -1, which gathers -1
+        last = matrix.gather(last, ranks).to(torch.int64)
+        tokens.scatter_(1, columns[:, step:step + 1], last.unsqueeze(1))
+    tokens = tokens[:, :length + 1].contiguous()
     rows = torch.arange(length + 1, device=device)
+    walked = (rows > num_copied) & (tokens >= 0)
+    source = torch.where(walked, SOURCE_RETRIEVED,
+                         torch.where((rows > 0) & (tokens >= 0), prefix_source, 0)
+                         ).to(torch.uint8)
+    valid = tokens >= 0
     parents = torch.where(valid, rows - 1, -1).expand(batch, -1).contiguous()
     depths = torch.where(valid, rows, 0).expand(batch, -1).contiguous()
     ancestor = torch.tril(torch.ones(length + 1, length + 1, dtype=torch.bool, device=device))

@@ -55,8 +55,9 @@ import torch
 from vllm_graft.core.acceptance import AcceptanceResult, tree_row_topk
 from vllm_graft.core.config import GraftConfig, TreeShape, Variant, resolve_tree_shape
 from vllm_graft.core.draft_tree import DraftTree, DraftTreeBuilder, Drafter
-from vllm_graft.core.hybrid import (SOURCE_CONTEXT, SOURCE_DRAFT, SOURCE_PAD, SOURCE_RETRIEVED,
-                                    HybridTree, merge_and_flatten, pad_to_budget)
+from vllm_graft.core.hybrid import (SOURCE_BOTH, SOURCE_CONTEXT, SOURCE_DRAFT, SOURCE_PAD,
+                                    SOURCE_RETRIEVED, HybridTree, merge_and_flatten,
+                                    pad_to_budget)
 from vllm_graft.core.successor import SuccessorMatrix
 from vllm_graft.core.tail import TailChainDrafter, graft_tail, step_thresholds
 from vllm_graft.core.templates import RetrievalTemplate, TemplateExpander
@@ -336,17 +337,15 @@ def accepted_by_source(tree: HybridTree, result: AcceptanceResult) -> dict[str, 
     padding: one class per node, a context-copied node counting as ``context`` whatever
     else proposed it too."""
     rows = result.accepted_rows
-    hit = rows >= 0
-    source = tree.source.gather(1, rows.clamp(min=0))[hit]
-    copied = (source & SOURCE_CONTEXT).bool()
-    source = torch.where(copied, SOURCE_CONTEXT, source)
-    return {
-        "context": int(copied.sum()),
-        "draft": int((source == SOURCE_DRAFT).sum()),
-        "retrieved": int((source == SOURCE_RETRIEVED).sum()),
-        "both": int((source == (SOURCE_DRAFT | SOURCE_RETRIEVED)).sum()),
-        "padding": int((source == SOURCE_PAD).sum()),
-    }
+    source = tree.source.gather(1, rows.clamp(min=0)).long()
+    # context-copied nodes count as context whatever else proposed them; rows not
+    # accepted fall in a class of their own; one count read for every class
+    source = torch.where((source & SOURCE_CONTEXT) > 0, SOURCE_CONTEXT, source)
+    source = torch.where(rows >= 0, source, SOURCE_CONTEXT + 1)
+    counts = torch.bincount(source.flatten(), minlength=SOURCE_CONTEXT + 2).tolist()
+    return {"context": counts[SOURCE_CONTEXT], "draft": counts[SOURCE_DRAFT],
+            "retrieved": counts[SOURCE_RETRIEVED], "both": counts[SOURCE_BOTH],
+            "padding": counts[SOURCE_PAD]}
 
 
 __all__ = ["BuildStats", "DraftTree", "GraftTreeBuilder", "accepted_by_source",

@@ -33,7 +33,8 @@ import torch
 
 from vllm.v1.outputs import SamplerOutput
 
-from vllm_graft.core.acceptance import AcceptanceResult, greedy_walk, walk_tree
+from vllm_graft.core.acceptance import (AcceptanceResult, greedy_chain_walk, greedy_walk,
+                                        walk_tree)
 from vllm_graft.core.budget import UNKNOWN_SCORE
 from vllm_graft.core.config import StepMode
 from vllm_graft.core.graft import accepted_by_source
@@ -243,7 +244,9 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
         # plain decoding reads each request's one row too: that share is not Graft's
         level_zero_seconds = (device_clock(device) - pass_start) * batch \
             / max(int(host_tree.valid.sum()), 1)
-        result = greedy_walk(tree, row_topk[..., 0])
+        # without a tree attention plan every tree of the step is a chain
+        walk = greedy_chain_walk if step is None or step.plan is None else greedy_walk
+        result = walk(tree, row_topk[..., 0])
         logprobs = None
         stats.counts["one_pass_verifications"] += 1
     else:
