@@ -89,8 +89,9 @@ class DeferredRows:
     forward.
     Positions are contiguous and increasing (the catch-up attends causally).
 
-    The hidden inputs are kept as one chunk per step and joined only when fed: a plain
-    step costs a list append, not a copy of everything kept."""
+    The hidden inputs (the target's hidden rows, not yet projected by the drafter) are
+    kept as one chunk per step and joined only when fed: a plain step costs a list
+    append, not a copy of everything kept."""
 
     tokens: list[int]
     positions: list[int]
@@ -493,12 +494,15 @@ class GraftTreeDrafting:
         per_request = {i: self._catch_up_inputs(settled[i]) for i in followed}
         hidden_rows: dict[int, torch.Tensor | None] = dict.fromkeys(followed)
         if self.USES_HIDDEN and followed:
+            # the target's rows as they are (a copy: vLLM reuses its buffers); the
+            # drafter's projection of them runs when they are fed (:meth:`_feed`), so a
+            # row deferred by a plain or chain step costs no matrix product
             rows = torch.tensor([r for i in followed for r in settled[i].rows],
                                 dtype=torch.long, device=self.device)
             target_hidden = torch.cat([h[rows] for h in aux_hidden_states], dim=-1) \
                 if self.eagle3_use_aux_hidden_state else aux_hidden_states[-1][rows]
-            hidden_rows = dict(zip(followed, self.model.combine_hidden_states(
-                target_hidden).split([len(settled[i].rows) for i in followed])))
+            hidden_rows = dict(zip(followed, target_hidden.split(
+                [len(settled[i].rows) for i in followed])))
         now: list[tuple[int, tuple]] = []  # (index in settled, rows fed now)
         for i in followed:
             s, (tokens, positions), hidden = settled[i], per_request[i], hidden_rows[i]
@@ -529,7 +533,7 @@ class GraftTreeDrafting:
                                  dtype=torch.long, device=self.device)
         hidden = None
         if self.USES_HIDDEN:
-            hidden = torch.cat([h for _, _, h in inputs])
+            hidden = self.model.combine_hidden_states(torch.cat([h for _, _, h in inputs]))
 
         batch_rows = torch.tensor([s.batch_row for s in settled], dtype=torch.long)
         block_table = self._block_table(runner)[batch_rows.to(self.device)]
