@@ -524,3 +524,51 @@ def test_cost_curve_is_non_decreasing_and_learns_its_shape_where_steps_run():
     assert got == pytest.approx([57.0, 63.0, 64.0], rel=0.05)
     ms = cost.curves[1][1]
     assert all(b >= a for a, b in zip(ms, ms[1:]))
+
+
+def test_cost_model_plain_forward_scales_a_forward_by_the_curve():
+    cost = CostModel(curves={1: ([1.0, 4.0, 8.0], [40.0, 42.0, 46.0])})
+    assert cost.plain_forward_ms(1, 1, 50.0) == pytest.approx(50.0)
+    assert cost.plain_forward_ms(1, 4, 42.0 * 1.25) == pytest.approx(50.0)  # a slower host
+    assert cost.plain_forward_ms(1, 8, 46.0) == pytest.approx(40.0)
+
+
+def test_guard_timed_in_plain_forwards_is_not_fooled_by_the_hosts_speed():
+    """On a shared CPU the host's speed drifts by a third within minutes and a single
+    forward jitters by a sixth from step to step. Copy chains that gain a little (1.18
+    tokens a step, now and then a 4-token copy, for about 1.1 plain steps' time) must
+    keep running when each step is timed in plain forwards of its moment
+    (:meth:`CostModel.plain_forward_ms` of the step's own forward, as the engine
+    adapter times them); timed in seconds, a plain rate refreshed in a fast moment
+    beats chains measured in slow ones, and chains run far less."""
+    import math
+    import random
+
+    from vllm_graft.core.budget import ThroughputGuard
+
+    chain, plain = StepMode.CHAIN, StepMode.PLAIN
+    cost = CostModel(curves={1: ([1.0, 2.0, 4.0, 8.0], [40.0, 41.0, 42.0, 46.0])})
+
+    def run(in_plain_forwards: bool, seed: int) -> tuple[float, float]:
+        rng = random.Random(seed)
+        guard = ThroughputGuard(modes=(chain, plain))
+        chains = emitted = 0
+        elapsed = 0.0
+        for t in range(3000):
+            mode = guard.choose(1)
+            speed = 1.0 + 0.3 * math.sin(t / 50)
+            tokens = 4 if mode is chain else 1
+            forward = cost._curve_point_ms(1, tokens) * speed * rng.uniform(0.85, 1.15)
+            step_ms = forward + (4.0 if mode is chain else 2.0) * speed
+            tokens_out = 1 + (3 if mode is chain and rng.random() < 0.06 else 0)
+            unit = cost.plain_forward_ms(1, tokens, forward) if in_plain_forwards else 1e3
+            guard.observe(mode, 1, tokens_out, step_ms / unit)
+            chains += t >= 100 and mode is chain
+            emitted, elapsed = emitted + tokens_out, elapsed + step_ms
+        return chains / 2900, emitted / elapsed
+
+    normalised = [run(True, seed) for seed in range(4)]
+    in_seconds = [run(False, seed) for seed in range(4)]
+    assert min(share for share, _ in normalised) > 0.8  # plain only to refresh its rate
+    assert min(share for share, _ in in_seconds) < 0.5
+    assert sum(rate for _, rate in normalised) > sum(rate for _, rate in in_seconds)
