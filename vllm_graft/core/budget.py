@@ -217,15 +217,6 @@ class CostModel:
         batch's roots); a step with no node is plain decoding and pays what it does."""
         return self._to_tensor(self._step_ms(batch, self._host(nodes), mode), nodes)
 
-    def plain_forward_ms(self, batch: int, total_tokens: int, forward_ms: float) -> float:
-        """What a plain decoding forward of ``batch`` requests would have taken at the
-        moment a forward of ``total_tokens`` query tokens took ``forward_ms``: that
-        forward scaled by the curve's ratio between the two token counts. The
-        throughput guard times steps in these units (:class:`ThroughputGuard`)."""
-        tokens = np.array([float(batch), float(total_tokens)])
-        plain, measured = self._verify_ms(batch, tokens)
-        return forward_ms * plain / measured if plain > 0 and measured > 0 else forward_ms
-
     @staticmethod
     def _host(values: torch.Tensor) -> np.ndarray:
         return values.detach().to("cpu", torch.float64).numpy()
@@ -524,16 +515,7 @@ class _ModeStats:
 
 @dataclass
 class ThroughputGuard:
-    """Run each step in the mode measured fastest (emitted tokens per unit of time).
-
-    The unit is the caller's. The engine adapter times each whole step in plain
-    decoding forwards of the moment (:meth:`CostModel.plain_forward_ms` of the step's
-    own measured forward): modes run at different times, the host's speed moves by a
-    third within minutes on a shared CPU and a single forward by a sixth from one step
-    to the next, and a rate in seconds would compare a mode measured in a slow minute
-    with one measured in a fast one. In these units a plain step weighs about one
-    whatever the host's speed, and what a mode adds (a bigger forward, drafting,
-    bookkeeping) is measured against it.
+    """Run each step in the mode measured fastest (emitted tokens per second).
 
     The cost and acceptance models predict; this measures. Whole decoding steps are
     timed in every mode, per batch size (power-of-two buckets): a mode's rate is its

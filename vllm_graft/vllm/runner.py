@@ -501,8 +501,8 @@ def propose_with_blocks(runner, sampled_token_ids, propose_blocks) -> list[list[
 def _observe_step(runner, scheduler_output, settled: list[SettledRows],
                   step: GraftStep | None) -> None:
     """Time this engine step (from the last step's drafting to this one's) and count its
-    emitted tokens and verified nodes, for the throughput guard (in plain forwards of
-    the moment, :meth:`CostModel.plain_forward_ms`) and for the sizer's step costs (:meth:`CostModel.observe_step`); steps with prefill chunks are skipped
+    emitted tokens and verified nodes, for the throughput guard and for the sizer's
+    step costs (:meth:`CostModel.observe_step`); steps with prefill chunks are skipped
     (their time is not the decoding cost of any mode). A tree step after chain or plain
     steps includes feeding the drafter the positions those steps deferred: switching to
     trees costs that, and a guard that did not see it would switch to trees more often
@@ -521,14 +521,12 @@ def _observe_step(runner, scheduler_output, settled: list[SettledRows],
     if last is None or prefill or not settled:
         return
     mode, seconds = proposer.ran_mode, now - last
+    if proposer.guard is not None:
+        proposer.guard.observe(mode, len(settled), sum(len(s.next_tokens) for s in settled),
+                               seconds)
     if forward_ms is not None:
-        cost = proposer.sizer.cost
-        if proposer.guard is not None:  # timed in plain forwards of the moment
-            unit_ms = cost.plain_forward_ms(len(settled), step.num_tokens, forward_ms)
-            proposer.guard.observe(mode, len(settled),
-                                   sum(len(s.next_tokens) for s in settled),
-                                   seconds * 1e3 / unit_ms)
         nodes = max(scheduler_output.total_num_scheduled_tokens - len(settled), 0)
+        cost = proposer.sizer.cost
         cost.observe_step(mode, len(settled), nodes, seconds * 1e3, forward_ms)
         if cost.steps.observed % LOG_STEP_COSTS_EVERY == 0 and cost.steps.observed:
             logger.info("Graft: step costs besides the forward, learned over %d steps: %s",
