@@ -43,15 +43,15 @@ def test_auto_budget_greedy_identical_and_profile_cached(tiny_models, plain_outp
     assert profiles[0].stat().st_mtime_ns == before
 
 
-def flat_profile(model, cache_dir) -> None:
+def flat_profile(model, cache_dir, layout: str = "tp1") -> None:
     """A pinned GPU-like profile for ``model`` on this CPU (verification cost flat up to
     1024 query tokens, then linear; no online refresh), so the sizer keeps part of each
     tree and the test exercises trimmed trees: losslessness must hold whatever the
-    sizer decides."""
+    sizer decides. Written where ``VLLM_GRAFT_CACHE`` (set to ``cache_dir``) points."""
     from vllm_graft.core.budget import CostModel
     from vllm_graft.vllm.cost_profile import profile_path
 
-    key = {"model": str(model), "device": "cpu", "dtype": "float32", "layout": "tp1"}
+    key = {"model": str(model), "device": "cpu", "dtype": "float32", "layout": layout}
     path = profile_path(key)
     path.parent.mkdir(parents=True)
     CostModel(curves={1: ([1.0, 1024.0, 16384.0], [10.0, 10.0, 150.0])}, key=key,
