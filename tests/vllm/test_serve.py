@@ -2,8 +2,9 @@
 OpenAI chat and a completion request answered, Graft's counters on ``/metrics`` (engine
 core and API server in separate processes, so the counters crossed the process
 boundary), every metric the Grafana dashboard queries among them; malformed requests
-answered 4xx and a client gone mid-stream, with the server serving on; SIGTERM stops
-it cleanly and saves the successor state."""
+answered 4xx and a client gone mid-stream, with the server serving on; SIGTERM while a
+request streams saves the successor state at once, drains the request to its greedy
+text, stops the server cleanly and saves again."""
 
 from __future__ import annotations
 
@@ -50,11 +51,29 @@ def _post_status(url: str, body: dict) -> tuple[int, str]:
     return 200, ""
 
 
-def _disconnect_mid_stream(url: str, body: dict, chunks: int) -> int:
-    """Read ``chunks`` streamed lines of a completion, then hang up."""
+def _open_stream(url: str, body: dict):
     request = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
                                      headers={"Content-Type": "application/json"})
-    response = urllib.request.urlopen(request, timeout=120)
+    return urllib.request.urlopen(request, timeout=120)
+
+
+def _read_stream_text(response, chunks: int | None = None) -> str:
+    """The text of the next ``chunks`` streamed completion chunks (all that are left
+    when ``None``, up to ``[DONE]`` or the server closing the stream)."""
+    text, read = "", 0
+    while chunks is None or read < chunks:
+        line = response.readline()
+        if not line or line.startswith(b"data: [DONE]"):
+            break
+        if line.startswith(b"data: {"):
+            text += json.loads(line[len(b"data: "):])["choices"][0]["text"]
+            read += 1
+    return text
+
+
+def _disconnect_mid_stream(url: str, body: dict, chunks: int) -> int:
+    """Read ``chunks`` streamed lines of a completion, then hang up."""
+    response = _open_stream(url, body)
     read = 0
     while read < chunks:
         if response.readline().startswith(b"data: {"):
@@ -78,6 +97,7 @@ def test_serve_answers_and_exports_graft_metrics(tiny_models, tmp_path):
          "--max-model-len", "512", "--enforce-eager", "--speculative-config", str(config)],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
+    signalled = False
     try:
         deadline = time.time() + 240
         while True:
@@ -129,15 +149,33 @@ def test_serve_answers_and_exports_graft_metrics(tiny_models, tmp_path):
         reply = _post(completions, {"model": model, "max_tokens": 32, "temperature": 0,
                                     "prompt": "for i in range(10):\n"})
         assert reply["choices"][0]["text"] == first_text  # serving on, greedy unchanged
-    finally:
+
+        # SIGTERM while a request streams: the first state save runs between its steps,
+        # and the request drains to the same greedy text
+        long_request = {"model": model, "prompt": "class Stack:", "max_tokens": 160,
+                        "ignore_eos": True, "temperature": 0}
+        reference = _post(completions, long_request)["choices"][0]["text"]
+        stream = _open_stream(completions, long_request)
+        streamed = _read_stream_text(stream, chunks=3)
         os.kill(server.pid, signal.SIGTERM)
+        signalled = True
+        streamed += _read_stream_text(stream)
+        assert streamed and reference.startswith(streamed), (streamed, reference)
+    finally:
+        if not signalled:
+            os.kill(server.pid, signal.SIGTERM)
         try:
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
         log.close()
-    assert server.returncode == 0, Path(tmp_path / "serve.log").read_text()[-3000:]
-    assert "successor state saved" in Path(tmp_path / "serve.log").read_text()
+    served = Path(tmp_path / "serve.log").read_text()
+    assert server.returncode == 0, served[-3000:]
+    shutdown_lines = "\n".join(line[-220:] for line in served.splitlines()
+                               if "shutdown" in line or "Graft" in line or "leaked" in line)
+    # the save made as SIGTERM is seen comes first, between steps, whatever follows
+    assert "successor state saved" in served and "(shutdown requested," in served, \
+        shutdown_lines
     _, metadata = read_successor_file(state)
-    assert metadata["reason"] == "shutdown"
+    assert metadata["reason"] in ("shutdown requested", "shutdown"), shutdown_lines

@@ -579,6 +579,14 @@ FINGERPRINTS: tuple[Fingerprint, ...] = (
         params=('self',),
     ),
     Fingerprint(
+        'vllm.v1.engine.core', 'EngineCoreProc._handle_shutdown',
+        patched_by='graft.engine_shutdown',
+        why=('wrapped: the successor state is saved when it first sees REQUESTED, once, '
+             'between steps, before draining'),
+        params=('self',),
+        source_sha256='2805b3551eee816c024afbcb52a3630ce161e11aa5bfb005d349238bf824854b',
+    ),
+    Fingerprint(
         'vllm.v1.worker.gpu_model_runner', 'GPUModelRunner._dummy_run',
         patched_by=None,
         why='called with a token count to measure the cost profile of budget "auto"',

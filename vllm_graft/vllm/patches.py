@@ -24,6 +24,7 @@ through the general-plugin entry point.
 | 10 | ``GPUModelRunner.propose_draft_token_ids`` | catch-up + tree drafting (DFlash: vLLM's block proposal, then Graft-TAIL) |
 | 11 | ``GPUModelRunner.sample_tokens`` | ship Graft counters with the output; periodic successor-state save and heap trim |
 | 11b | ``GPUModelRunner.shutdown`` | save the successor state (``graft.successor_state``) |
+| 11c | ``v1.engine.core.EngineCoreProc._handle_shutdown`` | save the successor state when a shutdown is requested, before draining |
 | 12 | ``v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward`` (on GPUs: the ``forward`` of the attention implementation in use, patched when the KV cache is created) | tree mask |
 | 13 | ``v1.core.sched.scheduler.Scheduler.update_from_output`` / ``make_stats`` | sum counters |
 | 14 | ``v1.engine.EngineCoreOutputs.__annotations__`` (``scheduler_stats``) | carry counters |
@@ -118,6 +119,8 @@ def refuse_kv_sharing(layers: dict) -> None:
 
 #: seconds vLLM lets the engine process shut down when Graft saves state at shutdown
 STATE_SAVE_SHUTDOWN_S = 10
+#: the ``reason`` of the save made when a shutdown is requested (before draining)
+SHUTDOWN_REQUESTED_REASON = "shutdown requested"
 
 
 def keep_shutdown_grace(engine_args) -> None:
@@ -125,8 +128,8 @@ def keep_shutdown_grace(engine_args) -> None:
     explicit 0) kills the engine process right after SIGTERM, before the model runner's
     shutdown could save the successor state. With ``graft.successor_state`` it becomes
     a few seconds. That one budget covers draining in-flight requests and tearing the
-    engine down: when draining takes all of it the engine is killed unsaved, and the
-    last periodic save is what survives."""
+    engine down: when draining takes all of it the engine is killed before the runner's
+    final save, and the save made when SIGTERM arrived (11c) is what survives."""
     if not getattr(engine_args, "shutdown_timeout", None):
         logger.warning("Graft: --shutdown-timeout %d s, so that the successor state is saved "
                        "at shutdown", STATE_SAVE_SHUTDOWN_S)
@@ -446,6 +449,37 @@ def _patch_cpu_attention() -> list[Patch]:
     return [tree_attention_patch(CPUAttentionBackendImpl)]
 
 
+# ---- 11c: a first shutdown save, before draining --------------------------------------
+def _patch_engine_shutdown() -> list[Patch]:
+    """The runner's shutdown save (11b) comes last: after draining in-flight requests
+    and after the executor has told its workers to exit. When that takes longer than
+    vLLM's shutdown budget (long requests still draining, a loaded host), the engine is
+    killed first and nothing is saved. So the engine process also asks its workers
+    for a save the moment SIGTERM is seen, while they are idle between steps; the
+    runner's save then adds what draining taught."""
+    from vllm.v1.engine.core import EngineCoreProc, EngineShutdownState
+
+    from vllm_graft.vllm.config import ADDITIONAL_CONFIG_KEY
+    from vllm_graft.vllm.rpc import save_successor_state
+
+    def _handle_shutdown(self):
+        graft = (self.vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+        if (self.shutdown_state == EngineShutdownState.REQUESTED and graft is not None
+                and graft.get("successor_state") is not None):
+            try:
+                self.model_executor.collective_rpc(
+                    save_successor_state, timeout=STATE_SAVE_SHUTDOWN_S,
+                    args=(SHUTDOWN_REQUESTED_REASON,))
+            except Exception:  # the shutdown must go on whatever the save did
+                logger.exception("Graft: the successor state was not saved when the "
+                                 "shutdown was requested")
+        return call_original(EngineCoreProc, "_handle_shutdown")(self)
+
+    return [Patch("graft.engine_shutdown", EngineCoreProc,
+                  {"_handle_shutdown": _handle_shutdown},
+                  must_exist=frozenset({"_handle_shutdown"}))]
+
+
 # ---- 13-15: metrics ---------------------------------------------------------------------
 def _patch_metrics() -> list[Patch]:
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -499,7 +533,7 @@ def _patch_metrics() -> list[Patch]:
 def all_patches() -> list[Patch]:
     """Every patch, in the order they are applied."""
     return [*_patch_engine_args(), *_patch_openai_user(), *_patch_runner(),
-            *_patch_cpu_attention(), *_patch_metrics()]
+            *_patch_engine_shutdown(), *_patch_cpu_attention(), *_patch_metrics()]
 
 
 def apply_all() -> int:

@@ -31,6 +31,14 @@ def save_successor_matrix(worker, path: str, metadata: dict) -> dict | None:
             "memory_bytes": drafter.matrix.nbytes}
 
 
+def save_successor_state(worker, reason: str) -> int | None:
+    """Save ``graft.successor_state`` now (the writer rank only); the file's size in
+    bytes, ``None`` where this engine keeps no state file or this rank does not write."""
+    drafter = getattr(getattr(worker, "model_runner", None), "drafter", None)
+    keeper = getattr(drafter, "state_keeper", None)
+    return None if keeper is None else keeper.save(reason)
+
+
 def request_state_counts(worker) -> dict[str, int]:
     """Per-request tables of the Graft proposer and how many requests each holds."""
     return _proposer(worker).request_state_counts()
