@@ -43,18 +43,23 @@ def measure(runner, repeats: int = 5) -> CostModel:
     and a forward is only ever slowed by what else runs on the device, never sped up.
     A profile measured beside another job (4 query tokens at 100 ms against 57 for 1
     on this repository's CPU, where an idle machine measures 64) kept every later
-    engine from verifying more than a token or two."""
+    engine from verifying more than a token or two.
+
+    The repeats take turns over the token counts (every count once, then again), so
+    each count's timings are spread over the whole measurement: a burst of other work
+    slows one turn of every count, not every timing of the counts measured during it.
+    Timed one count after another, a burst that started after the smallest counts had
+    been measured made 8 tokens cost 10 times one token, and no tree was ever verified."""
     limit = runner.scheduler_config.max_num_batched_tokens
     tokens = [n for n in PROFILE_TOKENS if n <= limit]
-    times = []
     for n in tokens:
-        runner._dummy_run(n)  # warm-up
-        samples = []
-        for _ in range(repeats):
+        runner._dummy_run(n)  # warm-up: each shape's one-off costs stay out of the times
+    times = [float("inf")] * len(tokens)
+    for _ in range(repeats):
+        for i, n in enumerate(tokens):
             start = device_clock(runner.device)
             runner._dummy_run(n)
-            samples.append((device_clock(runner.device) - start) * 1e3)
-        times.append(min(samples))
+            times[i] = min(times[i], (device_clock(runner.device) - start) * 1e3)
     # the dummy batch spreads tokens over requests; one curve over total tokens
     return CostModel(curves={1: ([float(n) for n in tokens], times)}, key=profile_key(runner))
 
