@@ -404,7 +404,8 @@ def test_a_stale_slow_plain_rate_does_not_keep_a_slower_mode_running(seed):
         return modes
 
     assert run()[20:].count(chain) < 40
-    assert run(plain_refresh=0)[20:].count(chain) > 90  # what the stale rate did
+    # what the stale rate did (without the probe gate, which also keeps chains away)
+    assert run(plain_refresh=0, probe_share=None)[20:].count(chain) > 90
 
 
 def test_a_mode_is_within_reach_until_measured_well_below_the_fastest():
@@ -482,12 +483,14 @@ def test_throughput_guard_is_not_fooled_by_the_noise_of_speculative_yields(seed)
 
 
 @pytest.mark.parametrize("seed", range(2))
-def test_where_plain_decoding_is_fastest_exploring_costs_a_few_percent(seed):
+def test_where_plain_decoding_is_fastest_exploring_costs_about_one_percent(seed):
     """Batch 32 on this repository's CPU, as a guard trace measured it: a copy-chain
     step takes 1.9 plain steps and yields about 1.6 tokens a request (0.84 of plain's
     rate), a tree step 4 plain steps for 2 (0.5). The guard keeps re-checking both as
-    their measurements fade; what that costs stays a couple of percent of plain
-    decoding's speed (about 10 tree and 70-76 chain steps in 2,000)."""
+    their measurements fade, each as often as what a probe loses allows
+    (``probe_share``): 5 tree and 34-35 chain steps in 2,000, 0.99 of plain decoding's
+    speed. Re-checked whenever its bound wins, a slower mode ran 10 tree and 70-76 chain
+    steps (0.98)."""
     from vllm_graft.core.config import StepMode
 
     tree, chain, plain = StepMode.TREE, StepMode.CHAIN, StepMode.PLAIN
@@ -497,13 +500,18 @@ def test_where_plain_decoding_is_fastest_exploring_costs_a_few_percent(seed):
     def chain_tokens(rng) -> int:
         return batch + round(sum(rng.expovariate(1 / 0.6) for _ in range(batch)))
 
-    modes, guard, achieved = run_guard(
-        {mode: rate * batch for mode, rate in rates.items()}, steps=2000, batch=batch,
-        seed=seed, yields={tree: lambda rng: 2 * batch, chain: chain_tokens})
+    def run(**kwargs):
+        return run_guard({mode: rate * batch for mode, rate in rates.items()}, steps=2000,
+                         batch=batch, seed=seed,
+                         yields={tree: lambda rng: 2 * batch, chain: chain_tokens}, **kwargs)
+
+    modes, guard, achieved = run()
     assert guard.preferred(batch) is plain
-    assert modes.count(tree) <= 15 and modes.count(chain) <= 100, \
+    assert modes.count(tree) <= 7 and modes.count(chain) <= 45, \
         (modes.count(tree), modes.count(chain))
-    assert achieved > 0.97 * batch, achieved / batch
+    assert achieved > 0.985 * batch, achieved / batch
+    _, _, ungated = run(probe_share=None)
+    assert ungated < 0.985 * batch, ungated / batch
 
 
 def test_throughput_guard_follows_a_change_and_measures_each_batch_bucket():
@@ -527,6 +535,8 @@ def test_throughput_guard_follows_a_change_and_measures_each_batch_bucket():
         ThroughputGuard(window=1.0)
     with pytest.raises(ValueError, match="distinct modes"):
         ThroughputGuard(modes=(tree, tree))
+    with pytest.raises(ValueError, match="probe_share"):
+        ThroughputGuard(probe_share=0.0)
 
 
 def test_cost_curve_is_non_decreasing_and_learns_its_shape_where_steps_run():

@@ -543,6 +543,14 @@ class ThroughputGuard:
     step never costs speed against plain decoding; where a speculative mode really is
     faster it costs one step in ``plain_refresh + 1`` of its gain.
 
+    A probe of a mode measured slower costs what it loses against the fastest mode:
+    its step time over the fastest's, times the share of the fastest's rate it lacks.
+    A tree step at batch 32 takes four plain steps at half their rate: one probe loses
+    two plain steps. So a slower mode runs again only once the steps since its last run
+    make that loss at most ``probe_share`` of them (a tree probe at batch 32 every 400
+    steps, a chain 16 % slower at twice a plain step's time every 60), however wide its
+    bound has grown. Plain refreshes are not held back: they are the drift check.
+
     The non-tree modes do not run the drafter; the adapter feeds it the positions it
     missed just before the next tree step, so its cache stays complete.
     """
@@ -553,6 +561,7 @@ class ThroughputGuard:
     confidence: float = 2.0
     noise_floor: float = 0.2
     plain_refresh: int = 16  # 0: never forced
+    probe_share: float | None = 0.005  # None: a slower mode runs whenever its bound wins
     stats: dict[tuple[int, StepMode], _ModeStats] = field(default_factory=dict)
     measured: dict[tuple[int, StepMode], int] = field(default_factory=dict)
     steps: int = 0
@@ -565,6 +574,9 @@ class ThroughputGuard:
             raise ValueError(f"ThroughputGuard confidence, noise_floor and plain_refresh "
                              f"must be >= 0, got {self.confidence}, {self.noise_floor}, "
                              f"{self.plain_refresh}")
+        if self.probe_share is not None and self.probe_share <= 0:
+            raise ValueError(f"ThroughputGuard probe_share must be > 0 or None, got "
+                             f"{self.probe_share}")
         if not self.modes or len(set(self.modes)) != len(self.modes):
             raise ValueError(f"ThroughputGuard needs distinct modes, got {self.modes}")
 
@@ -622,13 +634,29 @@ class ThroughputGuard:
         for mode in modes:  # first measure every mode
             if self.measured.get((bucket, mode), 0) < self.probe_steps:
                 return mode
-        bounds = [self.bound_of(batch, mode) for mode in modes]
-        best = modes[max(range(len(bounds)), key=lambda i: bounds[i])]
+        fastest = max(modes, key=lambda mode: self.rate_of(batch, mode))
+        due = [mode for mode in modes
+               if mode is fastest or self._probe_due(batch, mode, fastest)]
+        bounds = [self.bound_of(batch, mode) for mode in due]
+        best = due[max(range(len(bounds)), key=lambda i: bounds[i])]
         plain = self.stats.get((bucket, StepMode.PLAIN))
         if (best is not StepMode.PLAIN and StepMode.PLAIN in modes and self.plain_refresh
                 and plain is not None and self.steps - plain.step > self.plain_refresh):
             return StepMode.PLAIN  # the baseline's rate is stale: measure it again
         return best
+
+    def _probe_due(self, batch: int, mode: StepMode, fastest: StepMode) -> bool:
+        """Whether ``mode``, measured slower than ``fastest``, may run again (class doc)."""
+        if self.probe_share is None:
+            return True
+        own, best = self._stats(batch, mode), self._stats(batch, fastest)
+        if own.weight <= 0 or best.weight <= 0 or best.tokens <= 0:
+            return True
+        step_ratio = (own.seconds / own.weight) / (best.seconds / best.weight)
+        rate_ratio = self.rate_of(batch, mode) / self.rate_of(batch, fastest)
+        loss = step_ratio * max(0.0, 1.0 - rate_ratio)
+        since = self.steps - self.stats[(batch_bucket(batch), mode)].step
+        return since * self.probe_share >= loss
 
     def observe(self, mode: StepMode, batch: int, tokens: int, seconds: float) -> None:
         """One decoding step (no prefill): ``tokens`` emitted by ``batch`` requests in
