@@ -57,27 +57,23 @@ def _open_stream(url: str, body: dict):
     return urllib.request.urlopen(request, timeout=120)
 
 
-def _read_stream_text(response, chunks: int | None = None) -> str:
-    """The text of the next ``chunks`` streamed completion chunks (all that are left
+def _read_stream_chunks(response, chunks: int | None = None) -> list[str]:
+    """The texts of the next ``chunks`` streamed completion chunks (all that are left
     when ``None``, up to ``[DONE]`` or the server closing the stream)."""
-    text, read = "", 0
-    while chunks is None or read < chunks:
+    texts = []
+    while chunks is None or len(texts) < chunks:
         line = response.readline()
         if not line or line.startswith(b"data: [DONE]"):
             break
         if line.startswith(b"data: {"):
-            text += json.loads(line[len(b"data: "):])["choices"][0]["text"]
-            read += 1
-    return text
+            texts.append(json.loads(line[len(b"data: "):])["choices"][0]["text"])
+    return texts
 
 
 def _disconnect_mid_stream(url: str, body: dict, chunks: int) -> int:
-    """Read ``chunks`` streamed lines of a completion, then hang up."""
+    """Read ``chunks`` streamed chunks of a completion, then hang up; how many came."""
     response = _open_stream(url, body)
-    read = 0
-    while read < chunks:
-        if response.readline().startswith(b"data: {"):
-            read += 1
+    read = len(_read_stream_chunks(response, chunks))
     response.close()
     return read
 
@@ -156,10 +152,10 @@ def test_serve_answers_and_exports_graft_metrics(tiny_models, tmp_path):
                         "ignore_eos": True, "temperature": 0}
         reference = _post(completions, long_request)["choices"][0]["text"]
         stream = _open_stream(completions, long_request)
-        streamed = _read_stream_text(stream, chunks=3)
+        streamed = "".join(_read_stream_chunks(stream, chunks=3))
         os.kill(server.pid, signal.SIGTERM)
         signalled = True
-        streamed += _read_stream_text(stream)
+        streamed += "".join(_read_stream_chunks(stream))
         assert streamed and reference.startswith(streamed), (streamed, reference)
     finally:
         if not signalled:

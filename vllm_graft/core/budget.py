@@ -653,7 +653,7 @@ class ThroughputGuard:
         if own.weight <= 0 or best.weight <= 0 or best.tokens <= 0:
             return True
         step_ratio = (own.seconds / own.weight) / (best.seconds / best.weight)
-        rate_ratio = self.rate_of(batch, mode) / self.rate_of(batch, fastest)
+        rate_ratio = (own.tokens / own.seconds) / (best.tokens / best.seconds)
         loss = step_ratio * max(0.0, 1.0 - rate_ratio)
         since = self.steps - self.stats[(batch_bucket(batch), mode)].step
         return since * self.probe_share >= loss

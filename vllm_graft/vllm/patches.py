@@ -463,9 +463,11 @@ def _patch_engine_shutdown() -> list[Patch]:
     from vllm_graft.vllm.rpc import save_successor_state
 
     def _handle_shutdown(self):
-        graft = (self.vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
-        if (self.shutdown_state == EngineShutdownState.REQUESTED and graft is not None
-                and graft.get("successor_state") is not None):
+        # runs every engine step: the state test first, the config only at a shutdown
+        graft = None
+        if self.shutdown_state == EngineShutdownState.REQUESTED:
+            graft = (self.vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
+        if graft is not None and graft.get("successor_state") is not None:
             try:
                 self.model_executor.collective_rpc(
                     save_successor_state, timeout=STATE_SAVE_SHUTDOWN_S,
