@@ -14,7 +14,7 @@ from vllm_graft.core.acceptance import SamplingBatch, accept_tree
 from vllm_graft.core.budget import (AcceptanceModel, CostModel, TreeSizer, choose_nodes,
                                     path_probability)
 from vllm_graft.core.config import StepMode
-from vllm_graft.core.hybrid import (SOURCE_DRAFT, SOURCE_RETRIEVED, HybridTree,
+from vllm_graft.core.hybrid import (SOURCE_CONTEXT, SOURCE_DRAFT, SOURCE_RETRIEVED, HybridTree,
                                     ancestor_mask, trim_tree)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -514,6 +514,146 @@ def test_where_plain_decoding_is_fastest_exploring_costs_about_one_percent(seed)
     assert ungated < 0.985 * batch, ungated / batch
 
 
+def run_scouted(guard, scout, chain_rate: float, predicted_rate: float, steps: int,
+                batch: int = 32, chain_step: float = 1.9):
+    """Batch-32 steps with a guard and (unless None) a chain scout: a plain step takes 1 s
+    and emits ``batch`` tokens, a chain step ``chain_step`` s at ``chain_rate`` times
+    plain's rate; the sizer predicts chains at ``predicted_rate`` times plain's rate.
+    Returns the modes run and the tokens per second achieved."""
+    from vllm_graft.core.config import StepMode
+
+    modes, tokens, seconds = [], 0.0, 0.0
+    for _ in range(steps):
+        mode = guard.choose(batch)
+        predicted = predicted_rate * batch * chain_step  # tokens in chain_step seconds
+        if mode is StepMode.PLAIN and scout is not None and scout.due() and scout.promising(
+                predicted, chain_step * 1e3, guard.rate_of(batch, StepMode.PLAIN)):
+            mode = StepMode.CHAIN
+        spent = chain_step if mode is StepMode.CHAIN else 1.0
+        emitted = chain_rate * batch * spent if mode is StepMode.CHAIN else batch
+        guard.observe(mode, batch, tokens=round(emitted), seconds=spent)
+        if mode is StepMode.CHAIN and scout is not None:
+            scout.observe(predicted, chain_step * 1e3, round(emitted), spent)
+        modes.append(mode)
+        tokens, seconds = tokens + emitted, seconds + spent
+    return modes, tokens / seconds
+
+
+@pytest.mark.parametrize("scouting", [True, False])
+def test_the_chain_scout_finds_text_that_copies_its_context_within_a_short_batch(scouting):
+    """Batch 32, as the benchmark runs it: a warm-up on chat (chains at 0.84 of plain's
+    rate; the sizer, too optimistic, predicts 1.2), then 64-token code edits, where chains
+    run at 1.16x plain (predicted: 1.6x). Content-blind, the guard decodes the whole edit
+    batch plainly (its next chain probe is due 60 steps after the warm-up's); the scout
+    sees the copies and runs chains within a few steps, its correction (measured over
+    predicted, from the warm-up's chain step) already applied."""
+    from vllm_graft.core.budget import ChainScout, ThroughputGuard
+    from vllm_graft.core.config import StepMode
+
+    chain, batch = StepMode.CHAIN, 32
+    guard = ThroughputGuard(modes=(chain, StepMode.PLAIN))
+    scout = ChainScout() if scouting else None
+    run_scouted(guard, scout, chain_rate=0.84, predicted_rate=1.2, steps=16)
+    assert guard.preferred(batch) is StepMode.PLAIN
+    edits, rate = run_scouted(guard, scout, chain_rate=1.16, predicted_rate=1.6, steps=64)
+    if not scouting:  # the guard alone misses most of the gain
+        assert edits[:40].count(chain) == 0 and rate < 1.08 * batch, (edits, rate / batch)
+        return
+    assert edits[:8].count(chain) >= 1 and edits.count(chain) >= 45, edits.count(chain)
+    assert rate > 1.1 * batch, rate / batch
+    assert 0.6 < scout.correction() < 0.8  # predictions 1.4x too optimistic, corrected
+
+
+def test_on_text_chains_do_not_pay_for_the_chain_scout_costs_under_one_percent():
+    """2,000 steps of chat at batch 32 (chains 0.84 of plain's rate, predicted 1.2x):
+    the first looks fire, their chain steps teach the scout its predictions' correction,
+    and it stops firing; the guard's own probes go on as without it."""
+    from vllm_graft.core.budget import ChainScout, ThroughputGuard
+    from vllm_graft.core.config import StepMode
+
+    chain, batch = StepMode.CHAIN, 32
+    runs = {}
+    for scout in (ChainScout(), None):
+        guard = ThroughputGuard(modes=(chain, StepMode.PLAIN))
+        runs[scout is not None] = run_scouted(guard, scout, chain_rate=0.84,
+                                              predicted_rate=1.2, steps=2000)
+    (scouted, scouted_rate), (alone, alone_rate) = runs[True], runs[False]
+    assert scouted.count(chain) <= alone.count(chain) + 10, \
+        (scouted.count(chain), alone.count(chain))
+    assert scouted_rate > 0.99 * alone_rate and scouted_rate > 0.985 * batch
+
+
+def test_copy_outcomes_score_chains_as_a_greedy_verification_would():
+    """A chain scored against the tokens decoding emitted at its positions accepts the
+    prefix a greedy walk accepts (:func:`vllm_graft.core.acceptance.greedy_chain_walk`'s
+    rule): every node up to the first mismatch is a trial, the matched ones accepted."""
+    from vllm_graft.core.budget import copy_outcomes
+
+    proposed = torch.tensor([[5, 6, 7, 8], [5, 9, 7, -1], [1, 2, -1, -1]])
+    emitted = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [3, 2, 4, -1]])
+    trial, accepted = copy_outcomes(proposed, emitted)
+    assert trial.tolist() == [[True] * 4, [True, True, False, False],
+                              [True, False, False, False]]
+    assert accepted.tolist() == [[True] * 4, [True, False, False, False], [False] * 4]
+    model = AcceptanceModel(prior_accepts=0.0, prior_trials=0.0)
+    depths = torch.arange(1, 5).expand(3, 4)
+    score = torch.full((3, 4), 0.9, dtype=torch.float64)
+    source = torch.full((3, 4), SOURCE_CONTEXT, dtype=torch.uint8)
+    model.observe(source, depths, score, trial, accepted)
+    # depth 1: three trials, two accepted; depth 2: two trials, one accepted
+    assert model.trials[3, :2, 3].tolist() == [3.0, 2.0]
+    assert model.accepts[3, :2, 3].tolist() == [2.0, 1.0]
+
+
+def test_chain_scout_looks_every_few_plain_steps_and_at_each_while_chains_promise():
+    from vllm_graft.core.budget import ChainScout
+
+    scout = ChainScout(every=4, margin=0.1)
+    assert [scout.due() for _ in range(8)] == [False, False, False, True] * 2
+    assert scout.correction() == 1.0  # nothing measured yet
+    assert not scout.promising(30.0, 1000.0, plain_rate=None)  # plain not measured yet
+    assert not scout.promising(32.0, 1000.0, plain_rate=30.0)  # 1.07x: within the margin
+    assert scout.promising(34.0, 1000.0, plain_rate=30.0)
+    assert [scout.due() for _ in range(3)] == [True] * 3  # looks at every plain step
+    scout.observe(34.0, 1000.0, tokens=17, seconds=2.0)  # half the tokens in twice the time
+    assert scout.correction() == pytest.approx(0.25)
+    assert not scout.promising(34.0, 1000.0, plain_rate=30.0)
+    assert [scout.due() for _ in range(4)] == [False, False, False, True]
+    with pytest.raises(ValueError, match="every"):
+        ChainScout(every=0)
+
+
+def test_a_new_batch_size_probes_a_mode_at_once_only_where_it_did_not_lose_nearby():
+    """A batch draining to its end passes through smaller batch sizes a few steps each.
+    At a batch size first seen, a mode that lost at the nearest measured batch size
+    (trees at 32 requests: 0.21 of chains' rate in 3.2 times their step time, so a probe
+    loses 2.5 chain steps) has its first probe wait, as a re-probe would, until the
+    steps spent at the new size pay for it (507 with ``probe_share`` 0.5 %); the mode
+    that was fastest there, plain decoding, and a mode no other batch size measured are
+    probed at once."""
+    from vllm_graft.core.budget import ThroughputGuard
+    from vllm_graft.core.config import StepMode
+
+    tree, chain, plain = StepMode.TREE, StepMode.CHAIN, StepMode.PLAIN
+    steps = {tree: (32, 0.8), chain: (48, 0.25), plain: (32, 0.2)}  # tokens, seconds
+    guard = ThroughputGuard(modes=(tree, chain, plain))
+    for _ in range(10):
+        for mode, (tokens, seconds) in steps.items():
+            guard.observe(mode, 32, tokens, seconds)
+    assert guard.preferred(32) is chain
+    choices = []
+    for _ in range(600):
+        mode = guard.choose(16)
+        choices.append(mode)
+        tokens, seconds = steps[mode]
+        guard.observe(mode, 16, tokens // 2, seconds / 2)
+    assert choices[:2] == [chain, plain], choices[:2]
+    assert 500 <= choices.index(tree) <= 515, choices.index(tree)
+    assert choices.count(tree) == 1
+    fresh = ThroughputGuard(modes=(tree, plain))
+    assert fresh.choose(4) is tree  # no batch size measured trees: probed at once
+
+
 def test_throughput_guard_follows_a_change_and_measures_each_batch_bucket():
     from vllm_graft.core.budget import ThroughputGuard
     from vllm_graft.core.config import StepMode
@@ -527,7 +667,8 @@ def test_throughput_guard_follows_a_change_and_measures_each_batch_bucket():
     modes, _, _ = run_guard(rates, steps=400, batch=8, guard=guard)
     assert guard.preferred(8) is plain and modes[-200:].count(plain) > 190
     assert guard.preferred(1) is None  # batch 1 was never measured
-    assert guard.choose(1) is tree  # so it is probed first
+    # so it is measured, plain decoding first: trees lost at batch 8
+    assert guard.choose(1) is plain
     rates = {tree: 300.0, plain: 100.0}  # and a mode that became faster wins back
     modes, _, _ = run_guard(rates, steps=400, batch=8, guard=guard)
     assert guard.preferred(8) is tree and modes[-200:].count(tree) > 180  # plain: fresh

@@ -95,6 +95,7 @@ def test_guard_modes_need_the_guard_and_survive_a_round_trip():
     chains = GraftConfig.from_dict({"budget": "auto", "guard_modes": ["chain"],
                                     "chain_tokens": 6})
     assert chains.guard_modes == (StepMode.CHAIN,)
+    assert GraftConfig.from_dict({"budget": "auto", "chain_scout_every": 0}).chain_scout_every == 0
     again = GraftConfig.from_dict(chains.model_dump(mode="json"))
     assert again == chains
     # a dumped config (every key set) reads back the same, fixed or auto
@@ -106,6 +107,8 @@ def test_guard_modes_need_the_guard_and_survive_a_round_trip():
             ({"budget": "auto", "guard_modes": []}, "graft.guard_modes"),
             ({"budget": "auto", "guard_modes": ["tree", "tree"]}, "at most once"),
             ({"budget": "auto", "guard_modes": ["fast"]}, "graft.guard_modes.0"),
-            ({"budget": "auto", "chain_tokens": 0}, "graft.chain_tokens")]:
+            ({"budget": "auto", "chain_tokens": 0}, "graft.chain_tokens"),
+            ({"budget": 60, "chain_scout_every": 4}, "chain_scout_every"),
+            ({"budget": "auto", "chain_scout_every": -1}, "graft.chain_scout_every")]:
         with pytest.raises(GraftConfigError, match=message):
             GraftConfig.from_dict(data)

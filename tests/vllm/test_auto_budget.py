@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.vllm.conftest import (assert_greedy_identical, graft_spec, running_llm,
                                  spec_metrics)
 from tests.vllm.test_greedy_lossless import MAX_TOKENS, PROMPTS
@@ -205,3 +207,66 @@ def test_budget_auto_reads_the_device_clock_a_fixed_few_times_per_step(tiny_mode
     assert "_model_forward" not in CLOCK_READS, CLOCK_READS
     # proposal: 2, sampling: 2, its first level: 2 (whatever the batch and tree size)
     assert sum(CLOCK_READS.values()) <= 6 * (steps + 2), (CLOCK_READS, steps)
+
+
+def keep_plain_fastest(worker, trust_the_scout: bool) -> None:
+    """The guard measures copy chains far slower than plain decoding at every batch size,
+    with weight that outlasts the test (so it never picks chains itself), and the chain
+    scout looks at every plain step, its predictions corrected tenfold upwards
+    (``trust_the_scout``: every chain step the test sees is the scout's) or it never
+    fires."""
+    from vllm_graft.core.budget import ChainScout, ThroughputGuard, _ModeStats
+    from vllm_graft.core.config import StepMode
+
+    drafter = worker.model_runner.drafter
+    guard = ThroughputGuard(modes=(StepMode.CHAIN, StepMode.PLAIN))
+    for bucket in (1, 2, 4, 8):
+        guard.stats[(bucket, StepMode.CHAIN)] = _ModeStats(1e6, 1e6, 1e6, 1e6)
+        guard.measured[(bucket, StepMode.CHAIN)] = 1
+    drafter.guard = guard
+    drafter.scout = ChainScout(every=1, margin=0.0 if trust_the_scout else 1e9)
+    drafter.scout.tokens = drafter.scout.predicted_ms = drafter.scout.measured_ms = 1e6
+    drafter.scout.predicted_tokens = 1e5
+
+
+def scout_correction(worker) -> float:
+    return worker.model_runner.drafter.scout.correction()
+
+
+def test_chain_steps_the_scout_starts_are_lossless_and_teach_its_correction(
+        tiny_models, plain_outputs, tmp_path, monkeypatch):
+    """While the guard decodes plainly, the chain scout's chain steps verify copy chains
+    (greedy output identical to plain decoding), are counted, and each one's measured
+    tokens and time move the scout's correction of its predictions."""
+    monkeypatch.setenv("VLLM_GRAFT_CACHE", str(tmp_path))
+    spec = graft_spec(tiny_models.head, budget="auto", guard_modes=["chain", "plain"])
+    with running_llm(tiny_models.target, spec) as llm:
+        llm.collective_rpc(keep_plain_fastest, args=(True,))
+        assert_greedy_identical(llm, PROMPTS, plain_outputs, MAX_TOKENS)
+        metrics = spec_metrics(llm)
+        correction = llm.collective_rpc(scout_correction)[0]
+    assert metrics["graft_chain_scout_steps"] > 0, metrics
+    assert metrics["graft_chain_scout_looks"] >= metrics["graft_chain_scout_steps"]
+    assert metrics["graft_guard_chain_steps"] == metrics["graft_chain_scout_steps"], metrics
+    assert metrics["graft_chains_built"] > 0 and metrics["graft_chain_nodes"] > 0, metrics
+    assert correction != pytest.approx(10.0, rel=1e-6)  # the chain steps were measured
+
+
+def test_the_scouts_looks_teach_the_acceptance_model_while_no_chain_runs(
+        tiny_models, plain_outputs, tmp_path, monkeypatch):
+    """A look whose chains do not promise enough runs nothing, but once decoding has
+    emitted the positions the chain proposed, the chain is scored against them and the
+    acceptance model learns its copied nodes: a cold model is not left at its prior
+    because chains never run."""
+    monkeypatch.setenv("VLLM_GRAFT_CACHE", str(tmp_path))
+    spec = graft_spec(tiny_models.head, budget="auto", guard_modes=["chain", "plain"])
+    with running_llm(tiny_models.target, spec) as llm:
+        llm.collective_rpc(keep_plain_fastest, args=(False,))
+        before = sum(llm.collective_rpc(context_trials_by_score)[0])
+        assert_greedy_identical(llm, PROMPTS, plain_outputs, MAX_TOKENS)
+        metrics = spec_metrics(llm)
+        learned = sum(llm.collective_rpc(context_trials_by_score)[0]) - before
+    assert metrics["graft_chain_scout_looks"] > 0 and not metrics.get("graft_chain_scout_steps")
+    assert not metrics.get("graft_guard_chain_steps"), metrics
+    assert metrics["graft_chain_shadow_trials"] > 0, metrics
+    assert 0 < learned <= metrics["graft_chain_shadow_trials"], (learned, metrics)

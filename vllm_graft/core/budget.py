@@ -550,6 +550,13 @@ class ThroughputGuard:
     make that loss at most ``probe_share`` of them (a tree probe at batch 32 every 400
     steps, a chain 16 % slower at twice a plain step's time every 60), however wide its
     bound has grown. Plain refreshes are not held back: they are the drift check.
+    The first probes at a new batch size follow the same rule, priced at the nearest
+    batch size that measured the mode: plain decoding runs first, and a mode that lost
+    there runs once the steps since this batch size was first seen pay for that loss.
+    A batch draining to its end passes through every smaller batch size within a few
+    steps each, and a tree probe at 15 requests, with the drafter catching up on every
+    position it missed, cost 8 plain steps there; a mode that was faster (or a batch
+    size with no measured neighbour) is probed at once.
 
     The non-tree modes do not run the drafter; the adapter feeds it the positions it
     missed just before the next tree step, so its cache stays complete.
@@ -564,6 +571,7 @@ class ThroughputGuard:
     probe_share: float | None = 0.005  # None: a slower mode runs whenever its bound wins
     stats: dict[tuple[int, StepMode], _ModeStats] = field(default_factory=dict)
     measured: dict[tuple[int, StepMode], int] = field(default_factory=dict)
+    first_seen: dict[int, int] = field(default_factory=dict)  # bucket: guard step
     steps: int = 0
 
     def __post_init__(self):
@@ -630,10 +638,15 @@ class ThroughputGuard:
         its step would be another mode's and measure nothing of its own)."""
         self.steps += 1
         bucket = batch_bucket(batch)
+        self.first_seen.setdefault(bucket, self.steps)
         modes = [mode for mode in self.modes if mode not in unavailable] or [StepMode.PLAIN]
-        for mode in modes:  # first measure every mode
-            if self.measured.get((bucket, mode), 0) < self.probe_steps:
+        for mode in modes:  # first measure every mode (as far as the first probe pays)
+            if self.measured.get((bucket, mode), 0) < self.probe_steps \
+                    and self._first_probe_due(bucket, mode):
                 return mode
+        modes = [mode for mode in modes if self.rate_of(batch, mode) is not None]
+        if not modes:  # every mode's first probe waits (a guard without plain decoding)
+            return self.modes[0]
         fastest = max(modes, key=lambda mode: self.rate_of(batch, mode))
         due = [mode for mode in modes
                if mode is fastest or self._probe_due(batch, mode, fastest)]
@@ -649,14 +662,37 @@ class ThroughputGuard:
         """Whether ``mode``, measured slower than ``fastest``, may run again (class doc)."""
         if self.probe_share is None:
             return True
+        since = self.steps - self.stats[(batch_bucket(batch), mode)].step
+        return since * self.probe_share >= self._probe_loss(batch, mode, fastest)
+
+    def _probe_loss(self, batch: int, mode: StepMode, fastest: StepMode) -> float:
+        """What one step of ``mode`` at ``batch`` loses against ``fastest``, in steps of
+        ``fastest``: its step time over the fastest's, times the share of the fastest's
+        rate it lacks (both measured there)."""
         own, best = self._stats(batch, mode), self._stats(batch, fastest)
-        if own.weight <= 0 or best.weight <= 0 or best.tokens <= 0:
-            return True
+        if own.weight <= 0 or best.weight <= 0 or best.tokens <= 0 or own.seconds <= 0:
+            return 0.0
         step_ratio = (own.seconds / own.weight) / (best.seconds / best.weight)
         rate_ratio = (own.tokens / own.seconds) / (best.tokens / best.seconds)
-        loss = step_ratio * max(0.0, 1.0 - rate_ratio)
-        since = self.steps - self.stats[(batch_bucket(batch), mode)].step
-        return since * self.probe_share >= loss
+        return step_ratio * max(0.0, 1.0 - rate_ratio)
+
+    def _first_probe_due(self, bucket: int, mode: StepMode) -> bool:
+        """Whether ``mode`` may run its first steps at ``bucket`` (class doc): plain
+        decoding always; another mode once the steps since the bucket was first seen pay
+        for what it lost at the nearest bucket that measured it beside another mode, as
+        a re-probe would (at once where no bucket did)."""
+        if self.probe_share is None or mode is StepMode.PLAIN:
+            return True
+        measured = {size for size, kind in self.stats if kind is mode and size != bucket}
+        neighbours = sorted(measured, key=lambda size: (abs(math.log2(size / bucket)), size))
+        for size in neighbours:
+            rated = [m for m in self.modes if self.rate_of(size, m) is not None]
+            if len(rated) < 2:
+                continue
+            fastest = max(rated, key=lambda m: self.rate_of(size, m))
+            loss = self._probe_loss(size, mode, fastest)
+            return (self.steps - self.first_seen[bucket]) * self.probe_share >= loss
+        return True
 
     def observe(self, mode: StepMode, batch: int, tokens: int, seconds: float) -> None:
         """One decoding step (no prefill): ``tokens`` emitted by ``batch`` requests in
@@ -669,6 +705,96 @@ class ThroughputGuard:
                                      stats.tokens_sq + tokens * tokens,
                                      stats.seconds + seconds, self.steps)
         self.measured[key] = self.measured.get(key, 0) + 1
+
+
+def copy_outcomes(proposed: torch.Tensor, actual: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What verifying chains would have accepted, read from the tokens decoding emitted
+    at their positions instead: ``proposed`` ``[M, N]`` each chain's nodes after its root
+    (-1: none), ``actual`` ``[M, N]`` the tokens emitted at the same positions.
+    ``(trial, accepted)``: a node is a trial when every node before it matched, and
+    accepted when it matched too. Where the nodes before it matched, the target saw the
+    same context as a verification would, and its emitted token is a draw from the
+    distribution acceptance samples there (its argmax when greedy), so these outcomes
+    are distributed as a verification's: the acceptance model learns copied nodes from
+    steps that verified none."""
+    matched = ((proposed >= 0) & (proposed == actual)).long().cumprod(dim=1).bool()
+    trial = torch.ones_like(matched)
+    trial[:, 1:] = matched[:, :-1]
+    return trial & (proposed >= 0), matched
+
+
+class ChainScout:
+    """While the throughput guard decodes plainly, a look now and then at the copy chains
+    the batch's contexts offer, and a chain step when they promise to beat plain decoding.
+
+    The guard is blind to the text: it knows what each mode measured over recent steps on
+    whatever ran then. When the text changes (requests that edit their own context arrive
+    where chat ran), chains may have become faster, but the guard runs a mode it measured
+    slower only as often as its probe budget allows (a chain 16 % slower at twice a plain
+    step's time: once in 60 steps at batch 32), and a batch of short requests may finish
+    before that (code edits at batch 32 ran 62 of 65 steps plainly, where chains alone
+    were 1.16x plain). The sizer does see the text: from the match lengths and the
+    learned acceptance it predicts a chain step's emitted tokens, from the cost model its
+    time. Those predictions are corrected by how they fared: measured over predicted
+    tokens, and measured over predicted milliseconds, over recent chain steps (whatever
+    ran them). Every ``every`` plain steps the scout builds the chains the step could
+    verify, and the step runs them when the corrected prediction beats plain decoding's
+    measured rate by ``margin``; while they keep promising, it looks again at every plain
+    step. The guard measures such a step like any chain step, so chains that really are
+    faster take over through its own choice, and a prediction that fared badly shrinks its
+    correction until it stops firing. Each look's chains also teach the acceptance model
+    once decoding has emitted their positions (:func:`copy_outcomes`), so its odds for
+    copied nodes do not stay at the cold prior while no chain runs.
+    """
+
+    def __init__(self, every: int = 8, margin: float = 0.05, window: float = 50.0):
+        if every < 1 or margin < 0 or window <= 1.0:
+            raise ValueError(f"ChainScout needs every >= 1, margin >= 0 and window > 1, got "
+                             f"{every}, {margin}, {window}")
+        self.every, self.margin, self.keep = every, margin, 1.0 - 1.0 / window
+        # discounted sums over chain steps: predicted and measured tokens and ms
+        self.predicted_tokens = self.tokens = 0.0
+        self.predicted_ms = self.measured_ms = 0.0
+        self.plain_steps = 0  # plain steps since the last look
+        self.promised = False  # the last look found chains worth a step
+
+    def due(self) -> bool:
+        """Called once per step the guard decodes plainly: whether to look this step."""
+        self.plain_steps += 1
+        if self.promised or self.plain_steps >= self.every:
+            self.plain_steps = 0
+            return True
+        return False
+
+    def correction(self) -> float:
+        """Measured over predicted rate of recent chain steps (1 before any)."""
+        if self.predicted_tokens <= 0 or self.measured_ms <= 0 or self.predicted_ms <= 0:
+            return 1.0
+        return (self.tokens / self.predicted_tokens) * (self.predicted_ms / self.measured_ms)
+
+    def promising(self, expected_tokens: float, step_ms: float,
+                  plain_rate: float | None) -> bool:
+        """Whether a chain step predicted to emit ``expected_tokens`` in ``step_ms`` beats
+        ``plain_rate`` (tokens per second, measured) by the margin once corrected."""
+        if plain_rate is None or step_ms <= 0:
+            self.promised = False
+        else:
+            rate = 1e3 * expected_tokens / step_ms * self.correction()
+            self.promised = rate >= (1.0 + self.margin) * plain_rate
+        return self.promised
+
+    def observe(self, expected_tokens: float, step_ms: float, tokens: int,
+                seconds: float) -> None:
+        """A chain step the sizer predicted (``expected_tokens`` in ``step_ms``) emitted
+        ``tokens`` in ``seconds``."""
+        if step_ms <= 0 or seconds <= 0 or expected_tokens <= 0:
+            return
+        keep = self.keep
+        self.predicted_tokens = self.predicted_tokens * keep + expected_tokens
+        self.tokens = self.tokens * keep + tokens
+        self.predicted_ms = self.predicted_ms * keep + step_ms
+        self.measured_ms = self.measured_ms * keep + seconds * 1e3
 
 
 # ---- per step ---------------------------------------------------------------------------

@@ -293,6 +293,10 @@ class GraftConfig(BaseModel):
     chain_walk: int = Field(
         3, ge=0, le=64, description="successor-matrix tokens a copy chain may add after its "
         "copied part (all of it when the context has no match)")
+    chain_scout_every: int = Field(
+        8, ge=0, le=1024, description="while the throughput guard decodes plainly, plain "
+        "steps between two looks at the copy chains the batch's contexts offer; a chain "
+        "step runs when they promise to beat plain decoding (0: never look)")
     successor_state: SuccessorStateConfig | None = Field(
         None, description="file the learned successor matrix is loaded from at start-up and "
         "saved to periodically and at shutdown; unset: it lives in memory only")
@@ -418,7 +422,8 @@ class GraftConfig(BaseModel):
             raise ValueError(f"successor_state saves one shared matrix: it needs isolation "
                              f"'global' (isolation is {self.isolation.mode!r})")
         fields = type(self).model_fields
-        guard_keys = [key for key in ("chain_tokens", "chain_walk", "guard_modes")
+        guard_keys = [key for key in ("chain_tokens", "chain_walk", "chain_scout_every",
+                                      "guard_modes")
                       if getattr(self, key) != fields[key].default]
         if guard_keys and not (self.auto_size and self.auto_guard):
             raise ValueError(f"{', '.join(sorted(guard_keys))} configure the throughput "

@@ -52,6 +52,14 @@ GRAFT_COUNTERS = {
     "guard_plain_steps": "Steps the throughput guard decoded plainly (the other modes "
                          "measured slower, or no request was ready to draft).",
     "chains_built": "Copy chains proposed (the throughput guard's chain mode).",
+    "chain_scout_looks": "Plain steps at which the chain scout built the batch's copy "
+                         "chains to predict whether they beat plain decoding.",
+    "chain_scout_steps": "Steps run with copy chains because the chain scout predicted "
+                         "them faster than plain decoding (counted in guard_chain_steps "
+                         "too).",
+    "chain_shadow_trials": "Copy-chain nodes the acceptance model learned from plain "
+                           "steps: a scout's chain scored against the tokens decoding "
+                           "emitted at its positions.",
     "chain_nodes": "Nodes of copy chains (the root excluded).",
     "replaced_nodes": "Low-confidence drafted nodes that fixed-shape trees replaced "
                       "with retrieved ones.",

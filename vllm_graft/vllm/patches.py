@@ -318,13 +318,17 @@ def _patch_runner() -> list[Patch]:
                 kv_reader(impl, layer, kv_cache)  # refuses a layout it cannot read
                 tree_attention_patch(type(impl)).apply()
             if self.drafter.auto_size:
-                from vllm_graft.core.budget import ThroughputGuard, TreeSizer
+                from vllm_graft.core.budget import ChainScout, ThroughputGuard, TreeSizer
+                from vllm_graft.core.config import StepMode
                 from vllm_graft.vllm.cost_profile import load_or_measure
 
                 self.drafter.sizer = TreeSizer(load_or_measure(self))
                 config = self.drafter.settings.config
                 if config.auto_guard:
                     self.drafter.guard = ThroughputGuard(modes=config.guard_modes)
+                    scouts = {StepMode.CHAIN, StepMode.PLAIN} <= set(config.guard_modes)
+                    if scouts and config.chain_scout_every:
+                        self.drafter.scout = ChainScout(every=config.chain_scout_every)
         return out
 
     def _update_states(self, scheduler_output, *args, **kwargs):

@@ -38,14 +38,15 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.spec_decode.eagle import EagleProposer
 
-from vllm_graft.core.budget import Choice, ThroughputGuard, TreeSizer, context_scores
+from vllm_graft.core.budget import (ChainScout, Choice, ThroughputGuard, TreeSizer,
+                                    context_scores, copy_outcomes)
 from vllm_graft.core.chain import build_chains, copied_to_tensor
 from vllm_graft.core.config import StepMode, TreeShape
 from vllm_graft.core.context import (ContextIndex, RecentOutputsIndex, match_score,
                                      proposals_to_tensors)
 from vllm_graft.core.draft_tree import DraftStep
 from vllm_graft.core.graft import BuildStats, GraftTreeBuilder
-from vllm_graft.core.hybrid import ancestor_ids
+from vllm_graft.core.hybrid import HybridTree, ancestor_ids
 from vllm_graft.core.isolation import IsolationMode, MatrixPartitions
 from vllm_graft.core.successor import SuccessorMatrix
 from vllm_graft.vllm.config import GraftSettings, TokenizerRef
@@ -218,6 +219,17 @@ class GraftTreeDrafting:
         self.ran_mode = StepMode.PLAIN
         self.chain_tokens, self.chain_walk = config.chain_tokens, config.chain_walk
         self.last_chains: tuple[int, int] | None = None  # chains built, their nodes
+        # budget "auto": looks at the batch's copy chains while the guard decodes plainly
+        # (set with the guard), and the chains of its last look that promised a gain:
+        # the step's settled rows (the chains serve that step only), the drafting
+        # requests' batch rows, the chains and the sizer's choice
+        self.scout: ChainScout | None = None
+        self.scouted: tuple[list[SettledRows], list[int], HybridTree, Choice | None] | None \
+            = None
+        # per request, the whole chain of the scout's last look (its root position and
+        # the chain) until decoding has emitted the positions it proposed
+        self.shadows: dict[str, tuple[int, tuple[torch.Tensor, ...]]] = {}
+        self.shadow_trials = 0  # chain nodes the last look taught the acceptance model
         # requests whose last tree was cut to nothing: steps since, while they skip drafting
         self.plain_steps: dict[str, int] = {}
         self.max_model_len = vllm_config.model_config.max_model_len
@@ -275,6 +287,7 @@ class GraftTreeDrafting:
                 "prompt_lengths": len(self.prompt_lengths),
                 "matrix_partitions": len(self.isolation.partition_of),
                 "drafter_follows": len(self.drafter_follows),
+                "shadow_chains": len(self.shadows),
                 "matrix_refusals": self.isolation.refusals}
 
     def forget(self, req_ids, finished=()) -> None:
@@ -286,6 +299,7 @@ class GraftTreeDrafting:
             self.plain_steps.pop(req_id, None)
             self.deferred.pop(req_id, None)
             self.drafter_follows.pop(req_id, None)
+            self.shadows.pop(req_id, None)
             index = self.context_indexes.pop(req_id, None)
             prompt_len = self.prompt_lengths.pop(req_id, 0)
             if index is not None and self.shared_context is not None and req_id in finished:
@@ -312,9 +326,9 @@ class GraftTreeDrafting:
         self.ran_mode = self.mode if drafting else StepMode.PLAIN
         if not drafting:
             return drafts
-        roots = torch.tensor([settled[i].next_tokens[-1] for i in drafting], dtype=torch.long)
         if self.mode is StepMode.CHAIN:
-            return self._propose_chains(runner, settled, drafting, roots, drafts)
+            return self._propose_chains(runner, settled, drafting, drafts)
+        roots = torch.tensor([settled[i].next_tokens[-1] for i in drafting], dtype=torch.long)
         expander = None
         if uses_drafter:
             fed, last_rows, last_hidden, next_hidden = catchup
@@ -381,9 +395,30 @@ class GraftTreeDrafting:
             [match_score(length, min_ngram) for length in match_lengths])))
 
     def _propose_chains(self, runner, settled: list[SettledRows], drafting: list[int],
-                        roots: torch.Tensor, drafts: list[list[int]]) -> list[list[int]]:
+                        drafts: list[list[int]]) -> list[list[int]]:
         """The guard's cheap tier: a copy chain per request (:mod:`vllm_graft.core.chain`),
-        no drafter forward."""
+        no drafter forward; the chains the scout built for this batch when it ran them."""
+        scouted, self.scouted = self.scouted, None
+        rows = [settled[i].batch_row for i in drafting]
+        if scouted is not None and scouted[0] is settled and scouted[1] == rows:
+            chains, self.last_choice = scouted[2], scouted[3]
+        else:
+            chains, self.last_choice = self._build_chains(runner, settled, drafting)
+        chains = agree(chains.to("cpu"))
+        req_ids = runner.input_batch.req_ids
+        nodes = 0
+        for t, i in enumerate(drafting):
+            nodes += self._schedule(chains, t, req_ids[settled[i].batch_row],
+                                    settled[i].batch_row, drafts) - 1
+        self.last_chains = (len(drafting), nodes)
+        return drafts
+
+    def _build_chains(self, runner, settled: list[SettledRows], drafting: list[int],
+                      shadow: bool = False) -> tuple[HybridTree, Choice | None]:
+        """Each drafting request's copy chain, cut by the sizer (with its choice) when
+        budget "auto" is on; ``shadow``: the chains are for a look of the scout, and may
+        teach the acceptance model once decoding has passed them."""
+        roots = torch.tensor([settled[i].next_tokens[-1] for i in drafting], dtype=torch.long)
         matches = [(0, [])] * len(drafting)
         if self.uses_context:
             matches = [self._context_index(runner, settled[i]).best_match(
@@ -395,16 +430,63 @@ class GraftTreeDrafting:
                                   self.device)
         chains = build_chains(roots.to(self.device), copied, matrix, self.chain_tokens,
                               self.chain_walk)
-        if self.sizer is not None:
-            chains = self._scored_by_match(chains, [length for length, _ in matches])
-            chains, _ = self.sizer.trim(chains, mode=StepMode.CHAIN)
-        chains = agree(chains.to("cpu"))
-        nodes = 0
+        if self.sizer is None:
+            return chains, None
+        chains = self._scored_by_match(chains, [length for length, _ in matches])
+        if shadow and self.uses_context:
+            self._shadow_chains(runner, settled, drafting, chains)
+        return self.sizer.trim(chains, mode=StepMode.CHAIN)
+
+    def _shadow_chains(self, runner, settled: list[SettledRows], drafting: list[int],
+                       chains: HybridTree) -> None:
+        """Teach the acceptance model from chains no step verified: each drafting
+        request's chain of an earlier look, once decoding has emitted every position it
+        proposed (:func:`vllm_graft.core.budget.copy_outcomes`), and keep this look's
+        whole chain (before any cut) for a request with none waiting."""
+        req_ids = runner.input_batch.req_ids
+        host = chains.to("cpu")
+        # each chain's nodes after the root: tokens, sources, depths, scores
+        nodes_of = (host.tokens[:, 1:], host.source[:, 1:], host.depths[:, 1:],
+                    host.score[:, 1:])
+        resolved, actual = [], []
         for t, i in enumerate(drafting):
-            nodes += self._schedule(chains, t, req_ids[settled[i].batch_row],
-                                    settled[i].batch_row, drafts) - 1
-        self.last_chains = (len(drafting), nodes)
-        return drafts
+            req_id = req_ids[settled[i].batch_row]
+            context = self.context_indexes[req_id].tokens
+            waiting = self.shadows.get(req_id)
+            if waiting is not None:
+                root, chain = waiting
+                proposed = int((chain[0] >= 0).sum())
+                if len(context) <= root + proposed:
+                    continue  # not every position it proposed was emitted yet
+                resolved.append(chain)
+                emitted = list(context[root + 1:root + 1 + proposed])
+                actual.append(emitted + [-1] * (chain[0].numel() - proposed))
+            self.shadows[req_id] = (len(context) - 1, tuple(part[t] for part in nodes_of))
+        if not resolved:
+            return
+        tokens, source, depths, score = (torch.stack(part) for part in zip(*resolved))
+        trial, accepted = copy_outcomes(tokens, torch.tensor(actual))
+        self.sizer.acceptance.observe(source, depths, score, trial, accepted)
+        self.shadow_trials = int(trial.sum())
+
+    def scout_chains(self, runner, settled: list[SettledRows], plain_rate: float | None
+                     ) -> bool:
+        """Whether this step, which the guard would decode plainly, should verify copy
+        chains instead (:class:`vllm_graft.core.budget.ChainScout`); the chains built to
+        decide are kept for :meth:`_propose_chains`."""
+        self.scouted, self.shadow_trials = None, 0
+        drafting = [i for i, s in enumerate(settled) if s.drafts and self.may_draft(
+            runner.requests[runner.input_batch.req_ids[s.batch_row]],
+            s.first_position + len(s.rows), StepMode.CHAIN)]
+        if not drafting:
+            return False
+        chains, choice = self._build_chains(runner, settled, drafting, shadow=True)
+        others = len(settled) - len(drafting)  # requests that decode plainly meanwhile
+        if not self.scout.promising(choice.expected_tokens + others, choice.step_ms,
+                                    plain_rate):
+            return False
+        self.scouted = (settled, [settled[i].batch_row for i in drafting], chains, choice)
+        return True
 
     #: with budget "auto", a request whose tree was cut to nothing skips drafting (the
     #: drafter's cost with it) and tries again after this many plain steps
@@ -427,22 +509,24 @@ class GraftTreeDrafting:
         ``req_ids``: without one, no request can draft a tree this step."""
         return any(self.drafter_follows.get(req_id, trees_in_reach) for req_id in req_ids)
 
-    def may_draft(self, req_state, root_position: int) -> bool:
+    def may_draft(self, req_state, root_position: int, mode: StepMode | None = None) -> bool:
         """A tree needs its rows (and the drafter's) to fit in the context, a request
         whose options depend on earlier tokens is decoded plainly, and so, for a while,
         is a request whose last tree budget "auto" found not worth verifying, and every
         request while the throughput guard measures plain decoding fastest. A request
-        the drafter does not follow drafts no tree."""
+        the drafter does not follow drafts no tree. ``mode``: the step's (default: the
+        guard's choice)."""
         config = self.settings.config
-        if self.mode is StepMode.PLAIN:
+        mode = self.mode if mode is None else mode
+        if mode is StepMode.PLAIN:
             return False
-        if self.mode is StepMode.TREE and not self.follows(req_state.req_id):
+        if mode is StepMode.TREE and not self.follows(req_state.req_id):
             return False
         if root_position + max(config.budget, config.max_depth, self.chain_tokens) + 1 \
                 > self.max_model_len:
             return False
         plain = self.plain_steps.get(req_state.req_id)
-        if self.mode is StepMode.TREE and plain is not None and plain < self.REPROBE_STEPS:
+        if mode is StepMode.TREE and plain is not None and plain < self.REPROBE_STEPS:
             self.plain_steps[req_state.req_id] = plain + 1
             return False
         return plain_decoding_reason(req_state.sampling_params,

@@ -444,6 +444,7 @@ def _decide_drafting(runner, settled: list[SettledRows]) -> None:
 def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_states
                        ) -> list[list[int]]:
     proposer: GraftProposer = runner.drafter
+    stats: GraftStats = runner._graft_stats
     step: GraftStep | None = runner._graft_step
     runner._graft_step = None
     start = device_clock(runner.device)
@@ -455,14 +456,20 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
         requests = list(scheduler_output.num_scheduled_tokens)
         reach = proposer.guard.within_reach(len(requests), StepMode.TREE)
         no_trees = () if proposer.would_follow_any(requests, reach) else (StepMode.TREE,)
-        proposer.mode, proposer.trees_in_reach = agree(
-            (proposer.guard.choose(len(requests), no_trees), reach))
+        mode = proposer.guard.choose(len(requests), no_trees)
+        if mode is StepMode.PLAIN and proposer.scout is not None and proposer.scout.due():
+            stats.counts["chain_scout_looks"] += 1
+            if proposer.scout_chains(runner, settled, proposer.guard.rate_of(
+                    len(requests), StepMode.PLAIN)):
+                mode = StepMode.CHAIN
+                stats.counts["chain_scout_steps"] += 1
+            stats.counts["chain_shadow_trials"] += proposer.shadow_trials
+        proposer.mode, proposer.trees_in_reach = agree((mode, reach))
     _decide_drafting(runner, settled)
     drafts = proposer.propose_trees(runner, scheduler_output, settled, aux_hidden_states)
     if proposer.guard is not None:
         runner._graft_stats.counts[f"guard_{proposer.ran_mode.value}_steps"] += 1
     build = proposer.last_build
-    stats: GraftStats = runner._graft_stats
     end = device_clock(runner.device)
     forward_seconds = proposer.forward_timer.take_seconds()
     stats.add_seconds("draft_forward", forward_seconds)
@@ -521,8 +528,13 @@ def _observe_step(runner, scheduler_output, settled: list[SettledRows],
     if last is None or prefill or not settled:
         return
     mode, seconds = proposer.ran_mode, now - last
+    tokens = sum(len(s.next_tokens) for s in settled)
     if proposer.guard is not None:
-        proposer.guard.observe(mode, len(settled), sum(len(s.next_tokens) for s in settled),
+        proposer.guard.observe(mode, len(settled), tokens, seconds)
+    choice = proposer.last_choice  # the measured step's (proposals reset it later)
+    if proposer.scout is not None and mode is StepMode.CHAIN and choice is not None:
+        others = len(settled) - choice.nodes_per_request.numel()
+        proposer.scout.observe(choice.expected_tokens + others, choice.step_ms, tokens,
                                seconds)
     if forward_ms is not None:
         nodes = max(scheduler_output.total_num_scheduled_tokens - len(settled), 0)
