@@ -28,6 +28,10 @@ def test_bench_quick_runs_every_method_losslessly(tmp_path):
     swept = [r for r in results["batch_rows"] if r["dataset"] != "_engine"]
     assert {(r["method"], r["batch"]) for r in swept} == {("plain", 3), ("graft_auto", 3)}
     assert all(r["prompts"] == 3 for r in swept), swept
+    # budget auto's rows say what its guard ran and what its chain scout did
+    auto = [r for r in swept if r["method"] == "graft_auto"]
+    assert all(sum(r["guard_steps"].values()) > 0 and set(r["chain_scout"]) ==
+               {"looks", "steps", "shadow_trials"} for r in auto), auto
     # the sweep's engines took turns, twice each, each round in a fresh process, and
     # repeated their greedy output
     assert all(len(r["round_tokens_per_s"]) == 2 and r["rounds_identical"] == 3

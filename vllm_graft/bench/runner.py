@@ -135,6 +135,10 @@ def summarize(method: Method, delta: dict, tokens: int, seconds: float,
         row["guard_steps"] = {k.removeprefix("graft_guard_").removesuffix("_steps"): v
                               for k, v in delta.items()
                               if k.startswith("graft_guard_") and k.endswith("_steps") and v}
+        # its chain scout: plain steps it looked at, chain steps it started, chain nodes
+        # its looks taught the acceptance model
+        row["chain_scout"] = {name: delta.get(f"graft_chain_{key}", 0) for name, key in (
+            ("looks", "scout_looks"), ("steps", "scout_steps"), ("shadow_trials", "shadow_trials"))}
     elif method.name == "eagle3":  # vLLM's chain: one drafter forward per draft token
         row["draft_forwards_per_step"] = float(chain_tokens)
     elif method.name == "dflash":  # one forward drafts the whole block
