@@ -50,6 +50,11 @@ def batch_bucket(batch: int) -> int:
     return 1 << max(batch - 1, 0).bit_length()
 
 
+def nearest_buckets(sizes, bucket: int) -> list[int]:
+    """Batch buckets ``sizes`` nearest ``bucket`` first (by factor; ties: the smaller)."""
+    return sorted(sizes, key=lambda size: (abs(math.log2(size / bucket)), size))
+
+
 def non_decreasing(values: list[float]) -> list[float]:
     """The least-squares non-decreasing fit of ``values`` (pool adjacent violators):
     each run that decreases is replaced by its mean."""
@@ -164,7 +169,7 @@ class StepCosts:
         if not measured:
             return None
         bucket = batch_bucket(batch)
-        nearest = min(measured, key=lambda size: (abs(math.log2(size / bucket)), size))
+        nearest = nearest_buckets(measured, bucket)[0]
         sums = self.sums[(nearest, mode)]
         per_node = self.per_node_ms(mode, prior_per_node_ms)
         return sums.intercept(per_node), per_node
@@ -464,6 +469,11 @@ class Choice:
     expected_tokens: float  # emitted tokens per step predicted for the choice
     step_ms: float  # predicted step time
 
+    def step_tokens(self, batch: int) -> float:
+        """Tokens the whole step of ``batch`` requests is predicted to emit: the chosen
+        requests' expected tokens and one for each other request (decoded plainly)."""
+        return self.expected_tokens + batch - self.nodes_per_request.numel()
+
 
 def choose_nodes(path_prob: torch.Tensor, valid: torch.Tensor, cost: CostModel,
                  max_nodes: int | None = None, mode: StepMode = StepMode.TREE) -> Choice:
@@ -684,8 +694,7 @@ class ThroughputGuard:
         if self.probe_share is None or mode is StepMode.PLAIN:
             return True
         measured = {size for size, kind in self.stats if kind is mode and size != bucket}
-        neighbours = sorted(measured, key=lambda size: (abs(math.log2(size / bucket)), size))
-        for size in neighbours:
+        for size in nearest_buckets(measured, bucket):
             rated = [m for m in self.modes if self.rate_of(size, m) is not None]
             if len(rated) < 2:
                 continue

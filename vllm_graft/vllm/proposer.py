@@ -481,8 +481,7 @@ class GraftTreeDrafting:
         if not drafting:
             return False
         chains, choice = self._build_chains(runner, settled, drafting, shadow=True)
-        others = len(settled) - len(drafting)  # requests that decode plainly meanwhile
-        if not self.scout.promising(choice.expected_tokens + others, choice.step_ms,
+        if not self.scout.promising(choice.step_tokens(len(settled)), choice.step_ms,
                                     plain_rate):
             return False
         self.scouted = (settled, [settled[i].batch_row for i in drafting], chains, choice)

@@ -468,7 +468,7 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
     _decide_drafting(runner, settled)
     drafts = proposer.propose_trees(runner, scheduler_output, settled, aux_hidden_states)
     if proposer.guard is not None:
-        runner._graft_stats.counts[f"guard_{proposer.ran_mode.value}_steps"] += 1
+        stats.counts[f"guard_{proposer.ran_mode.value}_steps"] += 1
     build = proposer.last_build
     end = device_clock(runner.device)
     forward_seconds = proposer.forward_timer.take_seconds()
@@ -533,8 +533,7 @@ def _observe_step(runner, scheduler_output, settled: list[SettledRows],
         proposer.guard.observe(mode, len(settled), tokens, seconds)
     choice = proposer.last_choice  # the measured step's (proposals reset it later)
     if proposer.scout is not None and mode is StepMode.CHAIN and choice is not None:
-        others = len(settled) - choice.nodes_per_request.numel()
-        proposer.scout.observe(choice.expected_tokens + others, choice.step_ms, tokens,
+        proposer.scout.observe(choice.step_tokens(len(settled)), choice.step_ms, tokens,
                                seconds)
     if forward_ms is not None:
         nodes = max(scheduler_output.total_num_scheduled_tokens - len(settled), 0)
