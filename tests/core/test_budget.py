@@ -526,8 +526,9 @@ def run_scouted(guard, scout, chain_rate: float, predicted_rate: float, steps: i
     for _ in range(steps):
         mode = guard.choose(batch)
         predicted = predicted_rate * batch * chain_step  # tokens in chain_step seconds
-        if mode is StepMode.PLAIN and scout is not None and scout.due() and scout.promising(
-                predicted, chain_step * 1e3, guard.rate_of(batch, StepMode.PLAIN)):
+        if (mode is StepMode.PLAIN and not guard.measuring and scout is not None
+                and scout.due() and scout.promising(
+                    predicted, chain_step * 1e3, guard.rate_of(batch, StepMode.PLAIN))):
             mode = StepMode.CHAIN
         spent = chain_step if mode is StepMode.CHAIN else 1.0
         emitted = chain_rate * batch * spent if mode is StepMode.CHAIN else batch
@@ -581,6 +582,26 @@ def test_on_text_chains_do_not_pay_for_the_chain_scout_costs_under_one_percent()
     assert scouted.count(chain) <= alone.count(chain) + 10, \
         (scouted.count(chain), alone.count(chain))
     assert scouted_rate > 0.99 * alone_rate and scouted_rate > 0.985 * batch
+
+
+def test_the_chain_scout_never_replaces_a_plain_refresh():
+    """Where chains are the guard's choice, it still decodes one step plainly every
+    ``plain_refresh`` steps, to keep the rate chains are compared with current. The scout
+    looked at every plain step once chains promised, replaced each refresh with a chain
+    step, and so the refresh was asked for again at every step and never ran: plain
+    decoding's rate stood from the first steps for the rest of the run (batch 1, where
+    chains won, decoded 204 of 249 steps through the scout's looks)."""
+    from vllm_graft.core.budget import ChainScout, ThroughputGuard
+    from vllm_graft.core.config import StepMode
+
+    chain, plain, batch = StepMode.CHAIN, StepMode.PLAIN, 32
+    guard, scout = ThroughputGuard(modes=(chain, plain)), ChainScout()
+    modes, rate = run_scouted(guard, scout, chain_rate=1.3, predicted_rate=1.4, steps=400)
+    assert guard.preferred(batch) is chain and rate > 1.25 * batch, rate / batch
+    refreshes = [i for i, mode in enumerate(modes) if mode is plain]
+    assert len(refreshes) >= 400 // (guard.plain_refresh + 2), refreshes
+    assert max(b - a for a, b in zip(refreshes, refreshes[1:])) <= guard.plain_refresh + 2
+    assert guard.steps - guard.stats[(batch, plain)].step <= guard.plain_refresh + 1
 
 
 def test_copy_outcomes_score_chains_as_a_greedy_verification_would():

@@ -568,6 +568,11 @@ class ThroughputGuard:
     position it missed, cost 8 plain steps there; a mode that was faster (or a batch
     size with no measured neighbour) is probed at once.
 
+    A step chosen to measure (a first probe, a plain refresh) says so in ``measuring``:
+    nothing may run another mode in its place (:class:`ChainScout` looks only at the
+    plain steps the guard prefers), or that measurement never happens and is asked for
+    again at every step.
+
     The non-tree modes do not run the drafter; the adapter feeds it the positions it
     missed just before the next tree step, so its cache stays complete.
     """
@@ -583,6 +588,7 @@ class ThroughputGuard:
     measured: dict[tuple[int, StepMode], int] = field(default_factory=dict)
     first_seen: dict[int, int] = field(default_factory=dict)  # bucket: guard step
     steps: int = 0
+    measuring: bool = False  # the last choice was a first probe or a plain refresh
 
     def __post_init__(self):
         if self.probe_steps < 1 or self.window <= 1.0:
@@ -647,6 +653,7 @@ class ThroughputGuard:
         less ``unavailable`` ones (a mode no request of the batch can run this step:
         its step would be another mode's and measure nothing of its own)."""
         self.steps += 1
+        self.measuring = True
         bucket = batch_bucket(batch)
         self.first_seen.setdefault(bucket, self.steps)
         modes = [mode for mode in self.modes if mode not in unavailable] or [StepMode.PLAIN]
@@ -666,6 +673,7 @@ class ThroughputGuard:
         if (best is not StepMode.PLAIN and StepMode.PLAIN in modes and self.plain_refresh
                 and plain is not None and self.steps - plain.step > self.plain_refresh):
             return StepMode.PLAIN  # the baseline's rate is stale: measure it again
+        self.measuring = False
         return best
 
     def _probe_due(self, batch: int, mode: StepMode, fastest: StepMode) -> bool:
@@ -750,7 +758,9 @@ class ChainScout:
     ran them). Every ``every`` plain steps the scout builds the chains the step could
     verify, and the step runs them when the corrected prediction beats plain decoding's
     measured rate by ``margin``; while they keep promising, it looks again at every plain
-    step. The guard measures such a step like any chain step, so chains that really are
+    step the guard prefers (never at one it chose to measure: a plain refresh the scout
+    replaced would be asked for again at every step, and plain decoding's rate, which
+    the scout compares with, would never be measured again). The guard measures such a step like any chain step, so chains that really are
     faster take over through its own choice, and a prediction that fared badly shrinks its
     correction until it stops firing. Each look's chains also teach the acceptance model
     once decoding has emitted their positions (:func:`copy_outcomes`), so its odds for

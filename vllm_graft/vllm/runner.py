@@ -457,7 +457,8 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
         reach = proposer.guard.within_reach(len(requests), StepMode.TREE)
         no_trees = () if proposer.would_follow_any(requests, reach) else (StepMode.TREE,)
         mode = proposer.guard.choose(len(requests), no_trees)
-        if mode is StepMode.PLAIN and proposer.scout is not None and proposer.scout.due():
+        if (mode is StepMode.PLAIN and not proposer.guard.measuring
+                and proposer.scout is not None and proposer.scout.due()):
             stats.counts["chain_scout_looks"] += 1
             if proposer.scout_chains(runner, settled, proposer.guard.rate_of(
                     len(requests), StepMode.PLAIN)):
