@@ -52,3 +52,6 @@ def test_bench_quick_runs_every_method_losslessly(tmp_path):
     rows = [r for r in results["rows"] + swept if r["dataset"] != "_engine"]
     assert all(0 < r["target_ms"] < r["step_ms"] and r["other_ms"] > 0 for r in rows), rows
     assert "Median decoding step (ms, mean over datasets)" in report
+    # and times its prefill phase, which a decoding step's split cannot show
+    assert all(r["prefill_ms"] > 0 for r in rows), rows
+    assert "Prefill phase (s, median over rounds" in report

@@ -263,8 +263,9 @@ class _ServedEngine:
         self.replies.close()
 
 
-#: a dataset run's median decoding step, split (:func:`vllm_graft.bench.worker.step_split`)
-STEP_SPLIT_KEYS = ("step_ms", "target_ms", "other_ms")
+#: a dataset run's median decoding step, split (:func:`vllm_graft.bench.worker.step_split`),
+#: and its prefill phase (:func:`vllm_graft.bench.worker.generate_counting_steps`)
+STEP_SPLIT_KEYS = ("step_ms", "target_ms", "other_ms", "prefill_ms")
 
 
 def run_engines_interleaved(config: BenchConfig, specs: dict[str, dict | None],
@@ -384,7 +385,7 @@ def run_methods(config: BenchConfig, prompt_ids: dict[str, list], method_list,
                 decoded = sum(len(t) for t in tokens) - len(tokens)
                 steps = max(sum(data["steps"]) - len(tokens), 1)
                 row["tokens_per_step"] = round(decoded / steps, 3)
-            for key in STEP_SPLIT_KEYS:  # median per decoding step (over rounds)
+            for key in STEP_SPLIT_KEYS:  # medians over rounds
                 if key in data:
                     row[key] = round(data[key], 3)
             if "round_seconds" in data:

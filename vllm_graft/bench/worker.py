@@ -26,7 +26,8 @@ import time
 
 
 def generate_counting_steps(llm, prompts: list, params, clock=None
-                            ) -> tuple[list[list[int]], list[int], list[tuple[float, float]]]:
+                            ) -> tuple[list[list[int]], list[int], list[tuple[float, float]],
+                                       float]:
     """Greedy generation through the engine's own step loop, with outputs streamed as
     deltas: each output a request receives is one decoding step that emitted tokens for
     it (the first one is the prefill's token). vLLM's speculative counters only count
@@ -35,7 +36,9 @@ def generate_counting_steps(llm, prompts: list, params, clock=None
 
     With a :class:`~vllm_graft.vllm.timing.TargetComputeClock`, also returns for every
     decoding step (every request past its prefill) its wall seconds and the seconds of
-    the target's forward and logits in it."""
+    the target's forward and logits in it. Last, the prefill phase's wall seconds: from
+    the first step until every request has its first token (with chunked prefill, the
+    steps that run prompts, and decoding steps beside them)."""
     from vllm.sampling_params import RequestOutputKind
 
     params = params.clone()
@@ -48,6 +51,7 @@ def generate_counting_steps(llm, prompts: list, params, clock=None
     steps = dict.fromkeys(ids, 0)
     split = []
     prefilled = 0  # requests that received their first token
+    started, prefill_seconds = time.perf_counter(), None
     while engine.has_unfinished_requests():
         decoding = clock is not None and prefilled == len(ids)
         compute, start = (clock.seconds, time.perf_counter()) if decoding else (0.0, 0.0)
@@ -60,7 +64,11 @@ def generate_counting_steps(llm, prompts: list, params, clock=None
                 tokens[output.request_id] += list(new)
                 prefilled += steps[output.request_id] == 0
                 steps[output.request_id] += 1
-    return [tokens[i] for i in ids], [steps[i] for i in ids], split
+        if prefill_seconds is None and prefilled == len(ids):
+            prefill_seconds = time.perf_counter() - started
+    if prefill_seconds is None:  # a request that never emitted (cancelled)
+        prefill_seconds = time.perf_counter() - started
+    return [tokens[i] for i in ids], [steps[i] for i in ids], split, prefill_seconds
 
 
 def step_split(split: list[tuple[float, float]]) -> dict:
@@ -110,11 +118,12 @@ def run_dataset(llm, job: dict, name: str, clock=None) -> dict:
     llm.reset_prefix_cache()
     before = counters(llm)
     start = time.perf_counter()
-    tokens, steps, split = generate_counting_steps(
+    tokens, steps, split, prefill_seconds = generate_counting_steps(
         llm, [TokensPrompt(prompt_token_ids=p) for p in job["datasets"][name]], params,
         clock)
     seconds = time.perf_counter() - start
     return {"tokens": tokens, "steps": steps, **step_split(split),
+            "prefill_ms": round(prefill_seconds * 1e3, 3),
             "delta": counter_delta(counters(llm), before), "seconds": seconds}
 
 
