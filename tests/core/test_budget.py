@@ -424,7 +424,13 @@ def test_a_mode_is_within_reach_until_measured_well_below_the_fastest():
     assert not guard.within_reach(8, tree)  # well below the fastest
     assert guard.within_reach(8, chain) and guard.within_reach(8, plain)
     assert guard.within_reach(8, tree, share=0.4)
-    assert guard.within_reach(32, tree)  # another batch bucket: not measured
+    # a batch size not measured is judged by a neighbour (half or twice) that was
+    assert not guard.within_reach(16, tree) and not guard.within_reach(4, tree)
+    assert guard.within_reach(32, tree) and guard.within_reach(1, tree)  # none measured
+    for _ in range(20):  # measured at 16 itself: trees as fast as the rest there
+        for mode in (tree, chain, plain):
+            guard.observe(mode, 16, tokens=16, seconds=0.1)
+    assert guard.within_reach(16, tree) and guard.within_reach(32, tree)
     assert not ThroughputGuard(modes=(chain, plain)).within_reach(1, tree)
     # while trees do not run their measurements fade, and they come within reach
     # again: their bound widens until they are worth another look

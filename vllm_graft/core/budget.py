@@ -640,13 +640,20 @@ class ThroughputGuard:
         """Whether ``mode`` may still be worth preparing for at ``batch``: it is one of
         the guard's modes and the rate it could have (its upper bound, which widens as
         its measurements fade) is at least ``share`` of the fastest mode's measured
-        rate there (True until every mode was measured at that batch size)."""
+        rate there. A batch size not yet measured in every mode is judged by a
+        neighbouring one (half or twice) that was: a batch of 32 whose prompts arrive in
+        two prefill chunks is seen at 16 requests first, and the drafter followed every
+        one of them, reading each prompt, where trees at 32 were far too slow to run.
+        True where neither neighbour was measured either."""
         if mode not in self.modes:
             return False
-        rates = [self.rate_of(batch, m) for m in self.modes]
-        if any(rate is None for rate in rates):
-            return True
-        return self.bound_of(batch, mode) >= share * max(rates)
+        bucket = batch_bucket(batch)
+        neighbours = [size for size in (bucket // 2, 2 * bucket) if size >= 1]
+        for size in [bucket] + nearest_buckets(neighbours, bucket):
+            rates = [self.rate_of(size, m) for m in self.modes]
+            if all(rate is not None for rate in rates):
+                return self.bound_of(size, mode) >= share * max(rates)
+        return True
 
     def choose(self, batch: int, unavailable: tuple[StepMode, ...] = ()) -> StepMode:
         """The mode of the next step at ``batch`` requests, among the guard's modes
