@@ -33,6 +33,9 @@ def test_draft_model_trees_are_lossless_and_accepted(tiny_models, plain_outputs)
 class AlternatingGuard:
     """A throughput-guard stand-in: three plain steps, then two tree steps."""
 
+    #: every choice is deliberate: the chain scout must not replace its plain steps
+    measuring = True
+
     def __init__(self):
         self.steps = 0
 
