@@ -767,11 +767,12 @@ class ChainScout:
     measured rate by ``margin``; while they keep promising, it looks again at every plain
     step the guard prefers (never at one it chose to measure: a plain refresh the scout
     replaced would be asked for again at every step, and plain decoding's rate, which
-    the scout compares with, would never be measured again). The guard measures such a step like any chain step, so chains that really are
-    faster take over through its own choice, and a prediction that fared badly shrinks its
-    correction until it stops firing. Each look's chains also teach the acceptance model
-    once decoding has emitted their positions (:func:`copy_outcomes`), so its odds for
-    copied nodes do not stay at the cold prior while no chain runs.
+    the scout compares with, would never be measured again). The guard measures such a
+    step like any chain step, so chains that really are faster take over through its own
+    choice, and a prediction that fared badly shrinks its correction until it stops
+    firing. Each look's chains also teach the acceptance model once decoding has emitted
+    their positions (:func:`copy_outcomes`), so its odds for copied nodes do not stay at
+    the cold prior while no chain runs.
     """
 
     def __init__(self, every: int = 8, margin: float = 0.05, window: float = 50.0):
