@@ -15,7 +15,7 @@ from vllm_graft.core.budget import (AcceptanceModel, CostModel, TreeSizer, choos
                                     path_probability)
 from vllm_graft.core.config import StepMode
 from vllm_graft.core.hybrid import (SOURCE_CONTEXT, SOURCE_DRAFT, SOURCE_RETRIEVED, HybridTree,
-                                    ancestor_mask, trim_tree)
+                                    trim_tree)
 
 ROOT = Path(__file__).resolve().parents[2]
 H200_PROFILE = ROOT / "bench/results/gpu/2026-11-30-h200/verification_cost_cuda_graphs.json"
@@ -175,8 +175,7 @@ def hybrid_bushy(batch: int, nodes: int, generator: torch.Generator) -> HybridTr
     source = source.to(torch.uint8).expand(batch, -1).clone()
     source[:, 0] = 0
     return HybridTree(tokens=tokens, parents=parents, depths=depths, valid=valid,
-                      source=source, ancestor=ancestor_mask(parents, valid, int(depths.max())),
-                      num_nodes=valid.sum(1))
+                      source=source, num_nodes=valid.sum(1))
 
 
 def sibling_score(tree: HybridTree) -> torch.Tensor:

@@ -110,8 +110,7 @@ def test_a_tree_score_follows_its_rows_through_trimming_and_padding():
     depths = torch.tensor([[0, 1, 1, 2]])
     valid = torch.ones(1, 4, dtype=torch.bool)
     tree = HybridTree(tokens=tokens, parents=parents, depths=depths, valid=valid,
-                      source=torch.zeros(1, 4, dtype=torch.uint8),
-                      ancestor=ancestor_mask(parents, valid, 2), num_nodes=valid.sum(1))
+                      source=torch.zeros(1, 4, dtype=torch.uint8), num_nodes=valid.sum(1))
     assert tree.score is None and tree.to("cpu").score is None
     with pytest.raises(ValueError, match="shape of its tokens"):
         tree.with_score(torch.zeros(1, 3))

@@ -386,21 +386,30 @@ class AcceptanceModel:
         self.accepts = torch.full(shape, self.prior_accepts, dtype=torch.float64)
         self.trials = torch.full(shape, self.prior_trials, dtype=torch.float64)
 
-    def _bucket(self, source: torch.Tensor, depth: torch.Tensor, score: torch.Tensor):
-        """source: the hybrid tree's tags (1 drafted, 2 retrieved, 3 both, context bit)."""
-        source = source.long()
-        s = torch.where((source & SOURCE_CONTEXT) > 0, SOURCE_NAMES.index("context"),
-                        source.clamp(1, 3) - 1).cpu()
-        d = (depth.long().clamp(1, self.max_depth) - 1).cpu()
-        b = (score.double().clamp(0, 1) * self.score_buckets).long().clamp(
-            max=self.score_buckets - 1).cpu()
-        return s, d, b
+    def _bucket(self, source, depth, score) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Host index arrays (source class, depth, score bucket) of nodes of any shape;
+        source: the hybrid tree's tags (1 drafted, 2 retrieved, 3 both, context bit)."""
+        source = host_array(source).astype(np.int64)
+        s = np.where((source & SOURCE_CONTEXT) > 0, SOURCE_NAMES.index("context"),
+                     np.clip(source, 1, 3) - 1)
+        d = np.clip(host_array(depth).astype(np.int64), 1, self.max_depth) - 1
+        b = (np.clip(host_array(score).astype(np.float64), 0, 1)
+             * self.score_buckets).astype(np.int64)
+        return s, d, np.minimum(b, self.score_buckets - 1)
+
+    def _optimistic_at(self, buckets) -> np.ndarray:
+        """:meth:`optimistic` at :meth:`_bucket`'s indices, on the host."""
+        accepts, trials = self.accepts.numpy()[buckets], self.trials.numpy()[buckets]
+        mean = accepts / trials
+        error = np.sqrt(mean * (1 - mean) / (trials + 1))
+        return np.minimum(mean + self.explore * error, 1.0)
 
     def conditional(self, source, depth, score) -> torch.Tensor:
         """P(accepted | parent accepted) for nodes of any shape (float64, on ``score``'s
         device)."""
-        s, d, b = self._bucket(source, depth, score)
-        return (self.accepts[s, d, b] / self.trials[s, d, b]).to(score.device)
+        buckets = self._bucket(source, depth, score)
+        ratio = self.accepts.numpy()[buckets] / self.trials.numpy()[buckets]
+        return torch.from_numpy(ratio).to(score.device)
 
     def optimistic(self, source, depth, score) -> torch.Tensor:
         """:meth:`conditional` plus ``explore`` standard errors of its estimate (at most
@@ -410,22 +419,33 @@ class AcceptanceModel:
         copy chain's second token after a long match, say, whose real odds are above
         0.9). The margin shrinks as the class is tried, so what is well measured is
         chosen by its measured odds."""
-        s, d, b = self._bucket(source, depth, score)
-        accepts, trials = self.accepts[s, d, b], self.trials[s, d, b]
-        mean = accepts / trials
-        error = torch.sqrt(mean * (1 - mean) / (trials + 1))
-        return (mean + self.explore * error).clamp(max=1.0).to(score.device)
+        optimistic = self._optimistic_at(self._bucket(source, depth, score))
+        return torch.from_numpy(optimistic).to(score.device)
 
     def observe(self, source, depth, score, parent_accepted, accepted) -> None:
         """Learn from one verified batch: every node whose parent was on the accepted
         path is a trial; it succeeds when the node is on the path too."""
-        trial = parent_accepted.bool().cpu()
-        s, d, b = self._bucket(source, depth, score)
-        s, d, b = s[trial], d[trial], b[trial]
-        ones = torch.ones(s.shape, dtype=torch.float64)
-        self.trials.index_put_((s, d, b), ones, accumulate=True)
-        self.accepts.index_put_((s, d, b), accepted.bool().cpu()[trial].double(),
-                                accumulate=True)
+        trial = host_array(parent_accepted).astype(bool)
+        self._observe_at(self._bucket(source, depth, score), trial,
+                         host_array(accepted).astype(bool))
+
+    def _observe_at(self, buckets, trial: np.ndarray, accepted: np.ndarray) -> None:
+        """:meth:`observe` with host arrays and :meth:`_bucket`'s indices: one count per
+        class (a bincount) added to the tensors' host views."""
+        flat = np.ravel_multi_index(tuple(part[trial] for part in buckets),
+                                    self.trials.shape)
+        size = self.trials.numel()
+        trials, accepts = self.trials.numpy(), self.accepts.numpy()
+        trials += np.bincount(flat, minlength=size).reshape(trials.shape)
+        accepts += np.bincount(flat, weights=accepted[trial].astype(np.float64),
+                               minlength=size).reshape(accepts.shape)
+
+
+def host_array(values) -> np.ndarray:
+    """A tensor (any device) or array as a host numpy array (a view for CPU tensors)."""
+    if isinstance(values, torch.Tensor):
+        return values.detach().cpu().numpy()
+    return np.asarray(values)
 
 
 def context_scores(source: torch.Tensor, request_scores: torch.Tensor) -> torch.Tensor:
@@ -437,28 +457,44 @@ def context_scores(source: torch.Tensor, request_scores: torch.Tensor) -> torch.
                        torch.full(source.shape, UNKNOWN_SCORE, device=source.device))
 
 
+# The sizer's arithmetic runs on the host in numpy: its arrays are a batch of trees of a
+# few dozen nodes, where each tensor op's dispatch costs more than its arithmetic, and it
+# runs in every speculative step. The tensor functions below convert at their edges.
 def path_probability(parents: torch.Tensor, depths: torch.Tensor, valid: torch.Tensor,
                      conditional: torch.Tensor) -> torch.Tensor:
     """``[B, N]`` probability that each node lies on the accepted path: the product of
     the conditional acceptance probabilities along its ancestors (root, row 0: 1;
     invalid rows: 0). Nodes come parents first."""
-    prob = torch.zeros_like(conditional, dtype=torch.float64)
+    return torch.from_numpy(_path_probability(
+        host_array(parents), host_array(depths), host_array(valid),
+        host_array(conditional))).to(conditional.device)
+
+
+def _path_probability(parents: np.ndarray, depths: np.ndarray, valid: np.ndarray,
+                      conditional: np.ndarray) -> np.ndarray:
+    prob = np.zeros(conditional.shape, dtype=np.float64)
     prob[:, 0] = 1.0
-    top = int(depths.max()) if depths.numel() else 0
+    top = int(depths.max()) if depths.size else 0
+    parent_index = np.maximum(parents, 0)
     for depth in range(1, top + 1):
         level = valid & (depths == depth)
-        parent_prob = prob.gather(1, parents.clamp(min=0))
-        prob = torch.where(level, parent_prob * conditional.double(), prob)
-    return torch.where(valid, prob, torch.zeros_like(prob))
+        parent_prob = np.take_along_axis(prob, parent_index, axis=1)
+        prob = np.where(level, parent_prob * conditional, prob)
+    return np.where(valid, prob, 0.0)
 
 
 def chain_path_probability(valid: torch.Tensor, conditional: torch.Tensor) -> torch.Tensor:
     """:func:`path_probability` of chains (row ``j``'s parent is row ``j - 1``, the valid
     rows a prefix): a running product along each row, in one op instead of one pass
     per depth."""
-    prob = torch.where(valid, conditional.double(), 0.0)
+    return torch.from_numpy(_chain_path_probability(
+        host_array(valid), host_array(conditional))).to(conditional.device)
+
+
+def _chain_path_probability(valid: np.ndarray, conditional: np.ndarray) -> np.ndarray:
+    prob = np.where(valid, conditional.astype(np.float64), 0.0)
     prob[:, 0] = 1.0
-    return prob.cumprod(dim=1)
+    return np.cumprod(prob, axis=1)
 
 
 # ---- choice -----------------------------------------------------------------------------
@@ -480,28 +516,30 @@ def choose_nodes(path_prob: torch.Tensor, valid: torch.Tensor, cost: CostModel,
     """The nodes whose verification maximises expected emitted tokens per millisecond
     for the whole batch (module doc). ``path_prob``/``valid``: ``[B, N]``, row 0 the root;
     ``max_nodes`` caps the total; ``mode``: the kind of step, whose costs apply."""
+    return _choose_nodes(host_array(path_prob), host_array(valid), cost, max_nodes, mode,
+                         path_prob.device)
+
+
+def _choose_nodes(path_prob: np.ndarray, valid: np.ndarray, cost: CostModel,
+                  max_nodes: int | None, mode: StepMode, device) -> Choice:
     batch, rows = path_prob.shape
-    device = path_prob.device
-    candidate = valid.clone()
+    candidate = valid.copy()
     candidate[:, 0] = False
-    score = torch.where(candidate, path_prob.double(), torch.full_like(path_prob, -1.0,
-                                                                      dtype=torch.float64))
-    flat = score.reshape(-1)
+    flat = np.where(candidate, path_prob, -1.0).reshape(-1)
     # stable descending sort: among equal probabilities, parents (earlier rows) first
-    order = torch.sort(-flat, stable=True).indices
+    order = np.argsort(-flat, kind="stable")
     available = int(candidate.sum())
     if max_nodes is not None:
         available = min(available, max_nodes)
-    gains = torch.cat([torch.zeros(1, dtype=torch.float64, device=device),
-                       flat[order[:available]].cumsum(0)])
-    expected = batch + gains
-    time = cost.step_ms(batch, torch.arange(available + 1), mode).to(device)  # host math
-    best = int(torch.argmax(expected / time))
-    keep = torch.zeros(batch * rows, dtype=torch.bool, device=device)
+    expected = batch + np.concatenate(([0.0], np.cumsum(flat[order[:available]])))
+    time = cost._step_ms(batch, np.arange(available + 1, dtype=np.float64), mode)
+    best = int(np.argmax(expected / time))
+    keep = np.zeros(batch * rows, dtype=bool)
     keep[order[:best]] = True
-    keep = keep.view(batch, rows)
+    keep = keep.reshape(batch, rows)
     keep[:, 0] = True
-    return Choice(keep=keep, nodes_per_request=keep[:, 1:].sum(1),
+    keep_tensor = torch.from_numpy(keep).to(device)
+    return Choice(keep=keep_tensor, nodes_per_request=keep_tensor[:, 1:].sum(1),
                   expected_tokens=float(expected[best]), step_ms=float(time[best]))
 
 
@@ -834,24 +872,28 @@ class TreeSizer:
         self.cost = cost
         self.acceptance = acceptance or AcceptanceModel()
 
-    def _score(self, tree: HybridTree, score: torch.Tensor | None) -> torch.Tensor:
-        """``score``, else the tree's own (:attr:`HybridTree.score`), else unknown."""
+    def _score(self, tree: HybridTree, score: torch.Tensor | None) -> np.ndarray:
+        """``score``, else the tree's own (:attr:`HybridTree.score`), else unknown; on
+        the host."""
         if score is None:
             score = tree.score
-        return score if score is not None else torch.full(
-            tree.tokens.shape, UNKNOWN_SCORE, dtype=torch.float64, device=tree.tokens.device)
+        if score is None:
+            return np.full(tuple(tree.tokens.shape), UNKNOWN_SCORE)
+        return host_array(score)
 
     def choose(self, tree: HybridTree, score: torch.Tensor | None = None,
                mode: StepMode = StepMode.TREE) -> Choice:
         """``mode``: the kind of step the tree is verified in (its costs apply); a chain
         step's tree is a copy chain per request (:func:`vllm_graft.core.chain.build_chains`)."""
-        conditional = self.acceptance.optimistic(tree.source, tree.depths,
-                                                 self._score(tree, score))
+        valid = host_array(tree.valid)
+        conditional = self.acceptance._optimistic_at(self.acceptance._bucket(
+            tree.source, tree.depths, self._score(tree, score)))
         if mode is StepMode.CHAIN:
-            prob = chain_path_probability(tree.valid, conditional)
+            prob = _chain_path_probability(valid, conditional)
         else:
-            prob = path_probability(tree.parents, tree.depths, tree.valid, conditional)
-        return choose_nodes(prob, tree.valid, self.cost, mode=mode)
+            prob = _path_probability(host_array(tree.parents), host_array(tree.depths),
+                                     valid, conditional)
+        return _choose_nodes(prob, valid, self.cost, None, mode, tree.tokens.device)
 
     def trim(self, tree: HybridTree, score: torch.Tensor | None = None,
              mode: StepMode = StepMode.TREE) -> tuple[HybridTree, Choice]:
@@ -865,12 +907,15 @@ class TreeSizer:
                 score: torch.Tensor | None = None) -> None:
         """Every verified node whose parent lay on the accepted path was a trial."""
         batch, rows = tree.tokens.shape
-        on_path = torch.zeros(batch, rows + 1, dtype=torch.bool, device=tree.tokens.device)
+        on_path = np.zeros((batch, rows + 1), dtype=bool)
         on_path[:, 0] = True
-        accepted_rows = torch.where(result.accepted_rows >= 0, result.accepted_rows, rows)
-        on_path.scatter_(1, accepted_rows.to(on_path.device), True)
+        accepted_rows = host_array(result.accepted_rows)
+        np.put_along_axis(on_path, np.where(accepted_rows >= 0, accepted_rows, rows), True,
+                          axis=1)
         on_path = on_path[:, :rows]
-        parent_on_path = on_path.gather(1, tree.parents.clamp(min=0)) & (tree.parents >= 0)
-        trial = tree.valid & parent_on_path
-        self.acceptance.observe(tree.source, tree.depths, self._score(tree, score), trial,
-                                on_path)
+        parents = host_array(tree.parents)
+        parent_on_path = np.take_along_axis(on_path, np.maximum(parents, 0), axis=1)
+        trial = host_array(tree.valid) & parent_on_path & (parents >= 0)
+        self.acceptance._observe_at(
+            self.acceptance._bucket(tree.source, tree.depths, self._score(tree, score)),
+            trial, on_path)

@@ -71,7 +71,5 @@ def build_chains(roots: torch.Tensor, copied: torch.Tensor,
     valid = tokens >= 0
     parents = torch.where(valid, rows - 1, -1).expand(batch, -1).contiguous()
     depths = torch.where(valid, rows, 0).expand(batch, -1).contiguous()
-    ancestor = torch.tril(torch.ones(length + 1, length + 1, dtype=torch.bool, device=device))
-    ancestor = ancestor.unsqueeze(0) & valid.unsqueeze(1) & valid.unsqueeze(2)
     return HybridTree(tokens=tokens, parents=parents, depths=depths, valid=valid,
-                      source=source, ancestor=ancestor, num_nodes=valid.sum(1))
+                      source=source, num_nodes=valid.sum(1))

@@ -40,8 +40,6 @@ class HybridTree:
     depths:   [B, N+1] int64, root 0
     valid:    [B, N+1] bool
     source:   [B, N+1] uint8, SOURCE_* bit flags (root 0)
-    ancestor: [B, N+1, N+1] bool, ancestor[b, i, j]: row j is row i or one of its
-              ancestors (the tree attention mask among tree rows)
     num_nodes: [B] valid rows, the root included
     score:    [B, N+1] float, optional: what was known of each node when the tree was
               built, in [0, 1] (the acceptance model's score, for example how long a
@@ -54,9 +52,17 @@ class HybridTree:
     depths: torch.Tensor
     valid: torch.Tensor
     source: torch.Tensor
-    ancestor: torch.Tensor
     num_nodes: torch.Tensor
     score: torch.Tensor | None = None
+
+    @property
+    def ancestor(self) -> torch.Tensor:
+        """``[B, N+1, N+1]`` bool, ``ancestor[b, i, j]``: row ``j`` is row ``i`` or one of
+        its ancestors (the tree attention mask among tree rows). Computed when read:
+        verification builds each step's mask from the parents of the rows it really
+        verifies, so no step pays for this one."""
+        depth = int(self.depths.max()) if self.depths.numel() else 0
+        return ancestor_mask(self.parents, self.valid, depth)
 
     def to(self, device: torch.device | str) -> HybridTree:
         """The same tree with every tensor on ``device``."""
@@ -150,7 +156,6 @@ def merge_and_flatten(root_tokens: torch.Tensor,
         depths=out_depths,
         valid=out_valid,
         source=out_source,
-        ancestor=ancestor_mask(out_parents, out_valid, int(out_depths.max())),
         num_nodes=out_valid.sum(dim=1),
     )
 
@@ -204,7 +209,6 @@ def pad_to_budget(tree: HybridTree, vocab_size: int) -> HybridTree:
     score = None if tree.score is None else torch.where(pad, 0.0, tree.score)
     return HybridTree(
         tokens=tokens, parents=parents, depths=depths, valid=valid, source=source,
-        ancestor=ancestor_mask(parents, valid, int(depths.max()) if depths.numel() else 0),
         num_nodes=torch.full((batch,), rows, dtype=tree.num_nodes.dtype, device=device),
         score=score)
 
@@ -227,14 +231,13 @@ def trim_tree(tree: HybridTree, keep: torch.Tensor) -> HybridTree:
     score = None if tree.score is None else _scatter_rows(tree.score, row_of, rows, 0)
     return HybridTree(
         tokens=tokens, parents=out_parents, depths=depths, valid=valid, source=source,
-        ancestor=ancestor_mask(out_parents, valid, int(depths.max()) if depths.numel() else 0),
         num_nodes=valid.sum(dim=1), score=score)
 
 
 def trim_chains(tree: HybridTree, keep: torch.Tensor) -> HybridTree:
     """:func:`trim_tree` for chains (row ``j``'s parent is row ``j - 1``) cut to a prefix
     of each (``keep`` closed under parents): the kept rows stay where they are, so
-    nothing is compacted and the ancestor mask is the old one, masked."""
+    nothing is compacted."""
     keep = keep & tree.valid
     keep[:, 0] = True
     score = None if tree.score is None else torch.where(keep, tree.score, 0)
@@ -242,7 +245,6 @@ def trim_chains(tree: HybridTree, keep: torch.Tensor) -> HybridTree:
         tokens=torch.where(keep, tree.tokens, -1), parents=torch.where(keep, tree.parents, -1),
         depths=torch.where(keep, tree.depths, 0), valid=keep,
         source=torch.where(keep, tree.source, 0),
-        ancestor=tree.ancestor & keep.unsqueeze(1) & keep.unsqueeze(2),
         num_nodes=keep.sum(dim=1), score=score)
 
 

@@ -171,8 +171,6 @@ def pad_chain(chain: HybridTree, vocab_size: int) -> HybridTree:
     return HybridTree(
         tokens=tokens, parents=(row - 1).contiguous(), depths=row.contiguous(),
         valid=all_rows, source=source,
-        ancestor=torch.tril(torch.ones(rows, rows, dtype=torch.bool, device=device))
-        .expand(batch, -1, -1).contiguous(),
         num_nodes=torch.full((batch,), rows, dtype=torch.long, device=device))
 
 

@@ -175,7 +175,7 @@ def _batch_trees(trees: list[VerifiedTree], batch: int) -> HybridTree:
             score[t.batch_row, :n] = t.tree.score
     valid = tokens >= 0
     return HybridTree(tokens=tokens, parents=parents, depths=depths, valid=valid,
-                      source=source, ancestor=torch.empty(0), num_nodes=valid.sum(1),
+                      source=source, num_nodes=valid.sum(1),
                       score=score)
 
 
