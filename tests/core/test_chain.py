@@ -159,7 +159,7 @@ def test_the_chain_sizing_path_matches_the_general_one():
                                                              generator=generator) * 20
         slope = rng.uniform(0.0, 3.0)
         cost = CostModel(curves={1: ([1.0, 8.0, 64.0], [10.0, 10.0 + slope, 10.0 + 9 * slope])})
-        sizer = TreeSizer(cost, acceptance)
+        sizer = TreeSizer(cost, chain_acceptance=acceptance)
 
         conditional = acceptance.optimistic(chains.source, chains.depths, chains.score)
         general = path_probability(chains.parents, chains.depths, chains.valid, conditional)
@@ -225,7 +225,8 @@ def test_the_sizer_keeps_long_chains_for_long_matches_and_cuts_short_ones():
                 accepted[b, depth - 1] = depth
         sizer.observe(trimmed, AcceptanceResult(accepted_rows=accepted,
                                                 output_tokens=accepted,
-                                                num_accepted=(accepted >= 0).sum(1)))
+                                                num_accepted=(accepted >= 0).sum(1)),
+                      mode=StepMode.CHAIN)
     chains = build_chains(torch.arange(2), copied_to_tensor([[9] * 5] * 2, 5), matrix, 5)
     chains = chains.with_score(context_scores(chains.source, torch.tensor(
         [match_score(6, 2), match_score(2, 2)])))

@@ -118,11 +118,11 @@ def test_throughput_guard_decodes_in_the_measured_fastest_mode(tiny_models, plai
 
 
 def context_trials_by_score(worker) -> list[float]:
-    """Trials the sizer's acceptance model counted for context-copied nodes, per score
-    bucket (the prior's seed removed)."""
+    """Trials the sizer's acceptance model of copy chains counted for context-copied
+    nodes, per score bucket (the prior's seed removed)."""
     from vllm_graft.core.budget import SOURCE_NAMES
 
-    acceptance = worker.model_runner.drafter.sizer.acceptance
+    acceptance = worker.model_runner.drafter.sizer.chain_acceptance
     trials = acceptance.trials[SOURCE_NAMES.index("context")] - acceptance.prior_trials
     return trials.sum(0).tolist()
 

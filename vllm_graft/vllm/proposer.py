@@ -67,7 +67,9 @@ class PendingTree:
     """A tree sent to the scheduler, waiting for verification (CPU tensors, root first).
 
     stage / confidence: where drafting stopped and the best-path confidence after each
-    draft step (for metrics and calibration)."""
+    draft step (for metrics and calibration). The tensors are rows of the step's batch
+    tree (views: every build allocates its own). ``draft_tokens``: ``tokens[1:]`` as the
+    scheduler got them, so recognising the tree next step reads no tensor."""
 
     tokens: torch.Tensor  # [n] int64
     parents: torch.Tensor  # [n]
@@ -76,11 +78,32 @@ class PendingTree:
     stage: int = -1
     confidence: torch.Tensor | None = None  # [max_depth]
     score: torch.Tensor | None = None  # [n] the acceptance model's (HybridTree.score)
+    draft_tokens: list[int] | None = None  # None: read from ``tokens``
+    chain: bool = False  # known to be a chain (row i's parent is row i - 1)
+
+    def __post_init__(self):
+        if self.draft_tokens is None:
+            self.draft_tokens = self.tokens[1:].tolist()
 
     def truncated(self, rows: int) -> PendingTree:
+        if rows == self.tokens.numel():
+            return self
         return PendingTree(self.tokens[:rows], self.parents[:rows], self.depths[:rows],
                            self.source[:rows], self.stage, self.confidence,
-                           None if self.score is None else self.score[:rows])
+                           None if self.score is None else self.score[:rows],
+                           self.draft_tokens[:rows - 1], self.chain)
+
+
+@dataclass
+class HostRows:
+    """A host tree's node counts and tokens as Python lists, read once per batch."""
+
+    num_nodes: list[int]
+    tokens: list[list[int]]
+
+    @classmethod
+    def of(cls, tree: HybridTree) -> HostRows:
+        return cls(tree.num_nodes.tolist(), tree.tokens.tolist())
 
 
 @dataclass
@@ -363,9 +386,10 @@ class GraftTreeDrafting:
             tree, self.last_choice = self.sizer.trim(tree)
         tree = agree(tree.to("cpu"))  # the ranks of a tensor-parallel engine verify one tree
         stages, confidence = stats.stage.tolist(), stats.confidence.cpu()
+        rows = HostRows.of(tree)
         for t, i in enumerate(drafting):
             req_id = req_ids[settled[i].batch_row]
-            n = self._schedule(tree, t, req_id, settled[i].batch_row, drafts,
+            n = self._schedule(tree, rows, t, req_id, settled[i].batch_row, drafts,
                                stages[t], confidence[t])
             if self.last_choice is not None:
                 if n == 1:  # nothing worth verifying: decode plainly for a while
@@ -374,17 +398,18 @@ class GraftTreeDrafting:
                     self.plain_steps.pop(req_id, None)
         return drafts
 
-    def _schedule(self, tree, t: int, req_id: str, batch_row: int, drafts: list[list[int]],
-                  stage: int = -1, confidence: torch.Tensor | None = None) -> int:
+    def _schedule(self, tree, rows: HostRows, t: int, req_id: str, batch_row: int,
+                  drafts: list[list[int]], stage: int = -1,
+                  confidence: torch.Tensor | None = None, chain: bool = False) -> int:
         """Keep row ``t`` of the (host) ``tree`` for verification and hand its nodes to
-        the scheduler as the request's draft tokens; returns its rows (root included)."""
-        n = int(tree.num_nodes[t])
-        pending = PendingTree(tree.tokens[t, :n].clone(), tree.parents[t, :n].clone(),
-                              tree.depths[t, :n].clone(), tree.source[t, :n].clone(),
-                              stage, confidence,
-                              None if tree.score is None else tree.score[t, :n].clone())
-        self.pending[req_id] = pending
-        drafts[batch_row] = pending.tokens[1:].tolist()
+        the scheduler as the request's draft tokens; returns its rows (root included).
+        ``rows``: the tree's sizes and tokens read once for the whole batch."""
+        n = rows.num_nodes[t]
+        drafts[batch_row] = rows.tokens[t][1:n]
+        self.pending[req_id] = PendingTree(
+            tree.tokens[t, :n], tree.parents[t, :n], tree.depths[t, :n], tree.source[t, :n],
+            stage, confidence, None if tree.score is None else tree.score[t, :n],
+            drafts[batch_row], chain)
         return n
 
     def _scored_by_match(self, tree, match_lengths: list[int]):
@@ -406,10 +431,10 @@ class GraftTreeDrafting:
             chains, self.last_choice = self._build_chains(runner, settled, drafting)
         chains = agree(chains.to("cpu"))
         req_ids = runner.input_batch.req_ids
-        nodes = 0
+        rows, nodes = HostRows.of(chains), 0
         for t, i in enumerate(drafting):
-            nodes += self._schedule(chains, t, req_ids[settled[i].batch_row],
-                                    settled[i].batch_row, drafts) - 1
+            nodes += self._schedule(chains, rows, t, req_ids[settled[i].batch_row],
+                                    settled[i].batch_row, drafts, chain=True) - 1
         self.last_chains = (len(drafting), nodes)
         return drafts
 
@@ -466,7 +491,7 @@ class GraftTreeDrafting:
             return
         tokens, source, depths, score = (torch.stack(part) for part in zip(*resolved))
         trial, accepted = copy_outcomes(tokens, torch.tensor(actual))
-        self.sizer.acceptance.observe(source, depths, score, trial, accepted)
+        self.sizer.chain_acceptance.observe(source, depths, score, trial, accepted)
         self.shadow_trials = int(trial.sum())
 
     def scout_chains(self, runner, settled: list[SettledRows], plain_rate: float | None
@@ -786,8 +811,10 @@ class GraftDFlashProposer(GraftTreeDrafting, DFlashProposer):
         self.last_build = stats
         chain = agree(chain.to("cpu"))  # the ranks of a tensor-parallel engine verify one
         stages, confidence = stats.stage.tolist(), stats.confidence.cpu()
+        host_rows = HostRows.of(chain)
         for t, row in enumerate(rows):
-            self._schedule(chain, t, req_ids[row], row, drafts, stages[t], confidence[t])
+            self._schedule(chain, host_rows, t, req_ids[row], row, drafts, stages[t],
+                           confidence[t], chain=True)
         return drafts
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from torch.nn.utils.rnn import pad_sequence
 from vllm.v1.outputs import SamplerOutput
 
 from vllm_graft.core.acceptance import (AcceptanceResult, greedy_chain_walk, greedy_walk,
@@ -61,6 +62,7 @@ class VerifiedTree:
     query_start: int  # first row (the root) in the flattened batch
     prefix_len: int  # position of the root
     tree: PendingTree  # truncated to the scheduled rows
+    chain: bool = False  # every row the child of the row before (no tree attention)
 
 
 @dataclass
@@ -116,17 +118,18 @@ def _prepare_tree_verification(runner, scheduler_output) -> GraftStep:
         if not drafts or pending is None:
             continue
         rows = len(drafts) + 1
-        if rows > pending.tokens.numel() or pending.tokens[1:rows].tolist() != list(drafts):
+        if rows > len(pending.draft_tokens) + 1 or pending.draft_tokens[:rows - 1] != list(drafts):
             continue  # not our tree (e.g. padding after a resume): plain rejection of all
+        tree = pending.truncated(rows)
         trees.append(VerifiedTree(
             req_id=req_id, batch_row=row,
             query_start=int(runner.query_start_loc.np[row]),
             prefix_len=int(batch.num_computed_tokens_cpu[row]),
-            tree=pending.truncated(rows)))
+            tree=tree, chain=tree.chain or is_chain(tree.parents)))
     if not trees:
         return GraftStep(trees=[], plan=None)
 
-    branching = [t for t in trees if not is_chain(t.tree.parents)]
+    branching = [t for t in trees if not t.chain]
     if not branching:
         return GraftStep(trees=trees, plan=None)
     layout = runner._graft_kv_layout
@@ -162,17 +165,23 @@ def _batch_trees(trees: list[VerifiedTree], batch: int) -> HybridTree:
     parents = torch.full((batch, rows), -1, dtype=torch.long)
     depths = torch.zeros((batch, rows), dtype=torch.long)
     source = torch.zeros((batch, rows), dtype=torch.uint8)
-    scored = any(t.tree.score is not None for t in trees)
+    scored = [t for t in trees if t.tree.score is not None]
     score = torch.full((batch, rows), UNKNOWN_SCORE) if scored else None
     tokens[:, 0] = 0  # the root token itself is never matched
-    for t in trees:
-        n = t.tree.tokens.numel()
-        tokens[t.batch_row, :n] = t.tree.tokens
-        parents[t.batch_row, :n] = t.tree.parents
-        depths[t.batch_row, :n] = t.tree.depths
-        source[t.batch_row, :n] = t.tree.source
-        if t.tree.score is not None:
-            score[t.batch_row, :n] = t.tree.score
+
+    def place(out: torch.Tensor, among: list[VerifiedTree], name: str, fill) -> None:
+        # one padded copy of every tree's rows, not one copy per tree and field
+        padded = pad_sequence([getattr(t.tree, name) for t in among], batch_first=True,
+                              padding_value=fill)
+        out[[t.batch_row for t in among], :padded.shape[1]] = padded.to(out.dtype)
+
+    if trees:
+        place(tokens, trees, "tokens", -1)
+        place(parents, trees, "parents", -1)
+        place(depths, trees, "depths", 0)
+        place(source, trees, "source", 0)
+    if scored:
+        place(score, scored, "score", UNKNOWN_SCORE)
     valid = tokens >= 0
     return HybridTree(tokens=tokens, parents=parents, depths=depths, valid=valid,
                       source=source, num_nodes=valid.sum(1),
@@ -262,7 +271,8 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
         for source, n in accepted_by_source(host_tree, host).items():
             stats.counts[f"accepted_{source}"] += n
         if runner.drafter.sizer is not None:
-            runner.drafter.sizer.observe(host_tree, host)
+            # the trees were proposed in the mode of the drafter's last proposal
+            runner.drafter.sizer.observe(host_tree, host, mode=runner.drafter.ran_mode)
         for observer in TREE_OBSERVERS:
             for t in trees:
                 count = int(host.num_accepted[t.batch_row])
@@ -329,31 +339,42 @@ def _learn(runner, logits, spec_decode_metadata, starts, trees, row_topk=None) -
     persistent-batch order, so the last-writer rule is the same on every rank.
     ``row_topk`` [B, rows, k]: the target's top-k at every tree row when acceptance has
     read it already (row 0 of a request without a tree is its sampled row)."""
+    device = starts.device
+    batch = starts.numel()
     tree_of_row = {t.batch_row: t for t in trees}
-    input_ids = runner.input_ids.gpu
-    rows, tokens, known = [], [], []
-    for b in range(starts.numel()):
-        verified = tree_of_row.get(b)
-        if verified is not None:
-            n = verified.tree.tokens.numel()
-            rows.append(starts[b] + torch.arange(n, device=starts.device))
-            # padding nodes of fixed-shape trees teach nothing (-1 skips the row)
-            tokens.append(torch.where(verified.tree.source == SOURCE_PAD, -1,
-                                      verified.tree.tokens).to(starts.device))
-        else:
-            n = 1
-            row = starts[b:b + 1]
-            rows.append(row)
-            tokens.append(input_ids[spec_decode_metadata.logits_indices[row]].long())
-        if row_topk is not None:
-            known.append(row_topk[b, :n])
+    # the learned rows, in batch order, indexed on the host: a few tensor ops per step
+    # rather than a few per request
+    counts = [tree_of_row[b].tree.tokens.numel() if b in tree_of_row else 1
+              for b in range(batch)]
+    first_logits_row = 0  # ``starts[b]``
+    width = 0 if row_topk is None else row_topk.shape[1]
+    ordered = [tree_of_row[b] for b in range(batch) if b in tree_of_row]
+    plain = [b for b in range(batch) if b not in tree_of_row]
+    rows, topk_rows, plain_at, tree_at = [], [], [], []
+    for b, count in enumerate(counts):
+        (tree_at if b in tree_of_row else plain_at).extend(range(len(rows), len(rows) + count))
+        rows.extend(range(first_logits_row, first_logits_row + count))
+        topk_rows.extend(range(b * width, b * width + count))
+        first_logits_row += spec_decode_metadata.num_draft_tokens[b] + 1
+    tokens = torch.empty(len(rows), dtype=torch.long, device=device)
+    if plain:
+        logits_rows = spec_decode_metadata.logits_indices[starts[plain]]
+        tokens[plain_at] = runner.input_ids.gpu[logits_rows].long()
+    if ordered:
+        tree_tokens = torch.cat([t.tree.tokens for t in ordered])
+        # padding nodes of fixed-shape trees teach nothing (-1 skips the row)
+        tree_tokens[torch.cat([t.tree.source for t in ordered]) == SOURCE_PAD] = -1
+        tokens[tree_at] = tree_tokens.to(device)
+    known = None
+    if row_topk is not None:
+        known = row_topk.flatten(0, 1)[torch.tensor(topk_rows, device=row_topk.device)]
     drafter = runner.drafter
-    partitions = drafter.partitions(runner, runner.input_batch.req_ids[:starts.numel()])
+    partitions = drafter.partitions(runner, runner.input_batch.req_ids[:batch])
     if partitions is not None:  # each request teaches its own matrix (graft.isolation)
-        counts = torch.tensor([r.numel() for r in rows], device=partitions.device)
-        partitions = partitions.repeat_interleave(counts)
-    drafter.matrix.update_from_logits_(torch.cat(tokens), logits, torch.cat(rows), partitions,
-                                       next_tokens=torch.cat(known) if known else None)
+        partitions = partitions.repeat_interleave(
+            torch.tensor(counts, device=partitions.device))
+    drafter.matrix.update_from_logits_(tokens, logits, torch.tensor(rows, device=device),
+                                       partitions, next_tokens=known)
 
 
 def _move_accepted_kv(runner, step: GraftStep, result: AcceptanceResult) -> None:
@@ -366,7 +387,7 @@ def _move_accepted_kv(runner, step: GraftStep, result: AcceptanceResult) -> None
     requests, sources, destinations = [], [], []
     for verified in step.trees:
         count = int(result.num_accepted[verified.batch_row])
-        if count and not is_chain(verified.tree.parents):  # a chain's rows are in place
+        if count and not verified.chain:  # a chain's rows are in place
             requests.append(torch.full((count,), verified.batch_row))
             sources.append(verified.prefix_len + result.accepted_rows[verified.batch_row, :count])
             destinations.append(verified.prefix_len + torch.arange(1, count + 1))
