@@ -234,3 +234,35 @@ def test_the_sizer_keeps_long_chains_for_long_matches_and_cuts_short_ones():
     assert trimmed.score is not None
     assert trimmed.num_nodes.tolist()[0] >= 5  # (nearly) the whole chain of a long match
     assert trimmed.num_nodes.tolist()[1] <= 2  # at most one copy after a short one
+
+
+def test_trees_do_not_teach_the_chain_sizer():
+    """A copy chain's retrieved nodes (the matrix's top-1 walk) are accepted far more
+    often than a tree's retrieved siblings: the sizer keeps one acceptance model per
+    kind of step, so trees whose retrieved nodes all failed do not cut chains whose
+    walks succeed. One model taught by both (400 failed first nodes of trees, 100
+    chains accepted whole) would put a first walked node near 1 in 5 and cut the chains."""
+    from vllm_graft.core.acceptance import AcceptanceResult
+    from vllm_graft.core.budget import CostModel, TreeSizer
+
+    matrix = matrix_with({t: (t + 1) % VOCAB for t in range(VOCAB)})
+    chains = build_chains(torch.arange(4), copied_to_tensor([[]] * 4, 6), matrix, 6)
+    assert (chains.source[:, 1:] == SOURCE_RETRIEVED).all()
+    sizer = TreeSizer(CostModel(curves={1: ([1.0, 64.0], [10.0, 73.0])}))  # 1 ms a token
+    none = torch.full((4, 6), -1, dtype=torch.long)
+    rows = torch.arange(1, 7).expand(4, 6)
+    whole = AcceptanceResult(accepted_rows=rows, output_tokens=rows,
+                             num_accepted=torch.full((4,), 6))
+    for _ in range(100):  # every tree's first retrieved node rejected
+        sizer.observe(chains, AcceptanceResult(accepted_rows=none, output_tokens=none,
+                                               num_accepted=torch.zeros(4, dtype=torch.long)))
+    for _ in range(25):  # every chain accepted whole
+        sizer.observe(chains, whole, mode=StepMode.CHAIN)
+    kept, _ = sizer.trim(chains, mode=StepMode.CHAIN)
+    assert kept.num_nodes.tolist() == [7] * 4
+    dropped, _ = sizer.trim(chains)  # as a tree step's nodes: not worth one token
+    assert dropped.num_nodes.tolist() == [1] * 4
+    retrieved = torch.full((1,), SOURCE_RETRIEVED)
+    depth, score = torch.ones(1), torch.full((1,), 0.5)
+    assert float(sizer.acceptance.conditional(retrieved, depth, score)) < 0.01
+    assert float(sizer.chain_acceptance.conditional(retrieved, depth, score)) > 0.95
