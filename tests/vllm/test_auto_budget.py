@@ -132,7 +132,9 @@ def test_copy_chains_alone_are_lossless(tiny_models, plain_outputs, tmp_path, mo
     the successor matrix, no drafter: the drafter never runs, not even over prompts),
     verified by the backend's causal attention.
     Greedy output identical to plain decoding; sampled output distributed as plain
-    sampling; the chains were proposed and some of their nodes accepted."""
+    sampling; the chains were proposed and some of their nodes accepted; the nodes
+    past each chain's cut were learned from what decoding emitted there (no scout
+    looks, since plain decoding is not among the modes)."""
     monkeypatch.setenv("VLLM_GRAFT_CACHE", str(tmp_path))
     spec = graft_spec(tiny_models.head, budget="auto", guard_modes=["chain"])
     with running_llm(tiny_models.target, spec) as llm:
@@ -143,6 +145,8 @@ def test_copy_chains_alone_are_lossless(tiny_models, plain_outputs, tmp_path, mo
     # unscored node falls in (0.5) gained trials
     assert sum(n for bucket, n in enumerate(copied_trials) if bucket != 2) > 0, copied_trials
     assert metrics["graft_guard_chain_steps"] > 0 and not metrics.get("graft_guard_tree_steps")
+    assert not metrics.get("graft_chain_scout_looks")
+    assert metrics["graft_chain_shadow_trials"] > 0, metrics
     assert metrics["graft_chains_built"] > 0 and not metrics.get("graft_trees_built")
     assert 0 < metrics["graft_verified_nodes"] <= metrics["graft_chain_nodes"]
     assert metrics["graft_accepted_context"] + metrics["graft_accepted_retrieved"] > 0, metrics

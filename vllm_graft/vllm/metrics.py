@@ -57,9 +57,10 @@ GRAFT_COUNTERS = {
     "chain_scout_steps": "Steps run with copy chains because the chain scout predicted "
                          "them faster than plain decoding (counted in guard_chain_steps "
                          "too).",
-    "chain_shadow_trials": "Copy-chain nodes the acceptance model learned from plain "
-                           "steps: a scout's chain scored against the tokens decoding "
-                           "emitted at its positions.",
+    "chain_shadow_trials": "Copy-chain nodes the acceptance model learned without "
+                           "verifying them: a chain (a scout's, or a chain step's past "
+                           "its cut) scored against the tokens decoding emitted at its "
+                           "positions.",
     "chain_nodes": "Nodes of copy chains (the root excluded).",
     "replaced_nodes": "Low-confidence drafted nodes that fixed-shape trees replaced "
                       "with retrieved ones.",

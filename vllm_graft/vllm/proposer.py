@@ -107,6 +107,21 @@ class HostRows:
 
 
 @dataclass
+class ShadowChain:
+    """A request's whole copy chain (before any cut), kept until decoding has emitted
+    every position it proposed: row ``row`` of a build's host ``nodes`` (tokens,
+    sources, depths, scores after the root), rooted at context position ``root``.
+    ``verified``: its first nodes a chain step verified (they taught the acceptance
+    model then)."""
+
+    root: int
+    nodes: tuple[torch.Tensor, ...]
+    row: int
+    proposed: int
+    verified: int = 0
+
+
+@dataclass
 class DeferredRows:
     """Drafter inputs of positions a request settled without drafting (decoded plainly
     or by a copy chain), kept until its next tree feeds them to the drafter in one
@@ -249,10 +264,10 @@ class GraftTreeDrafting:
         self.scout: ChainScout | None = None
         self.scouted: tuple[list[SettledRows], list[int], HybridTree, Choice | None] | None \
             = None
-        # per request, the whole chain of the scout's last look (its root position and
-        # the chain) until decoding has emitted the positions it proposed
-        self.shadows: dict[str, tuple[int, tuple[torch.Tensor, ...]]] = {}
-        self.shadow_trials = 0  # chain nodes the last look taught the acceptance model
+        # per request, the whole chain of the last chain build (a scout's look or a chain
+        # step) until decoding has emitted the positions it proposed
+        self.shadows: dict[str, ShadowChain] = {}
+        self.shadow_trials = 0  # chain nodes shadows taught the acceptance model, unread
         # requests whose last tree was cut to nothing: steps since, while they skip drafting
         self.plain_steps: dict[str, int] = {}
         self.max_model_len = vllm_config.model_config.max_model_len
@@ -433,16 +448,20 @@ class GraftTreeDrafting:
         req_ids = runner.input_batch.req_ids
         rows, nodes = HostRows.of(chains), 0
         for t, i in enumerate(drafting):
-            nodes += self._schedule(chains, rows, t, req_ids[settled[i].batch_row],
-                                    settled[i].batch_row, drafts, chain=True) - 1
+            req_id = req_ids[settled[i].batch_row]
+            kept = self._schedule(chains, rows, t, req_id, settled[i].batch_row, drafts,
+                                  chain=True) - 1
+            if self.uses_context and self.sizer is not None:
+                self._mark_verified(runner, req_id, kept)
+            nodes += kept
         self.last_chains = (len(drafting), nodes)
         return drafts
 
-    def _build_chains(self, runner, settled: list[SettledRows], drafting: list[int],
-                      shadow: bool = False) -> tuple[HybridTree, Choice | None]:
+    def _build_chains(self, runner, settled: list[SettledRows], drafting: list[int]
+                      ) -> tuple[HybridTree, Choice | None]:
         """Each drafting request's copy chain, cut by the sizer (with its choice) when
-        budget "auto" is on; ``shadow``: the chains are for a look of the scout, and may
-        teach the acceptance model once decoding has passed them."""
+        budget "auto" is on; the whole chains teach the acceptance model once decoding
+        has passed them (:meth:`_shadow_chains`)."""
         roots = torch.tensor([settled[i].next_tokens[-1] for i in drafting], dtype=torch.long)
         matches = [(0, [])] * len(drafting)
         if self.uses_context:
@@ -458,54 +477,69 @@ class GraftTreeDrafting:
         if self.sizer is None:
             return chains, None
         chains = self._scored_by_match(chains, [length for length, _ in matches])
-        if shadow and self.uses_context:
+        if self.uses_context:
             self._shadow_chains(runner, settled, drafting, chains)
         return self.sizer.trim(chains, mode=StepMode.CHAIN)
 
     def _shadow_chains(self, runner, settled: list[SettledRows], drafting: list[int],
                        chains: HybridTree) -> None:
-        """Teach the acceptance model from chains no step verified: each drafting
-        request's chain of an earlier look, once decoding has emitted every position it
-        proposed (:func:`vllm_graft.core.budget.copy_outcomes`), and keep this look's
-        whole chain (before any cut) for a request with none waiting."""
+        """Teach the chain acceptance model from chain nodes no step verified: each
+        drafting request's chain of an earlier build, once decoding has emitted every
+        position it proposed (:func:`vllm_graft.core.budget.copy_outcomes`), past the
+        nodes a chain step verified; and keep this build's whole chain (before any cut)
+        for a request with none waiting. A scout's look teaches what plain steps would
+        have accepted; a chain step, the odds of the nodes its cut left out, which the
+        sizer would otherwise only learn by verifying them (a class once measured poor,
+        or never tried, such as the matrix's walk after a copy, would stay cut)."""
         req_ids = runner.input_batch.req_ids
         host = chains.to("cpu")
         # each chain's nodes after the root: tokens, sources, depths, scores
         nodes_of = (host.tokens[:, 1:], host.source[:, 1:], host.depths[:, 1:],
                     host.score[:, 1:])
-        resolved, actual = [], []
+        proposed = (host.num_nodes - 1).tolist()
+        width = nodes_of[0].shape[1]
+        resolved, actual, verified = [], [], []
         for t, i in enumerate(drafting):
             req_id = req_ids[settled[i].batch_row]
             context = self.context_indexes[req_id].tokens
             waiting = self.shadows.get(req_id)
             if waiting is not None:
-                root, chain = waiting
-                proposed = int((chain[0] >= 0).sum())
-                if len(context) <= root + proposed:
+                end = waiting.root + 1 + waiting.proposed
+                if len(context) < end:
                     continue  # not every position it proposed was emitted yet
+                chain = tuple(part[waiting.row] for part in waiting.nodes)
                 resolved.append(chain)
-                emitted = list(context[root + 1:root + 1 + proposed])
-                actual.append(emitted + [-1] * (chain[0].numel() - proposed))
-            self.shadows[req_id] = (len(context) - 1, tuple(part[t] for part in nodes_of))
+                emitted = list(context[waiting.root + 1:end])
+                actual.append(emitted + [-1] * (chain[0].numel() - waiting.proposed))
+                verified.append(waiting.verified)
+            self.shadows[req_id] = ShadowChain(len(context) - 1, nodes_of, t, proposed[t])
         if not resolved:
             return
         tokens, source, depths, score = (torch.stack(part) for part in zip(*resolved))
         trial, accepted = copy_outcomes(tokens, torch.tensor(actual))
+        trial &= torch.arange(trial.shape[1]) >= torch.tensor(verified).unsqueeze(1)
         self.sizer.chain_acceptance.observe(source, depths, score, trial, accepted)
-        self.shadow_trials = int(trial.sum())
+        self.shadow_trials += int(trial.sum())
+
+    def _mark_verified(self, runner, req_id: str, nodes: int) -> None:
+        """A chain step verifies the first ``nodes`` nodes of the chain built this step
+        for ``req_id``: its shadow leaves them to verification's lesson."""
+        shadow = self.shadows.get(req_id)
+        if shadow is not None and shadow.root == len(self.context_indexes[req_id].tokens) - 1:
+            shadow.verified = nodes
 
     def scout_chains(self, runner, settled: list[SettledRows], plain_rate: float | None
                      ) -> bool:
         """Whether this step, which the guard would decode plainly, should verify copy
         chains instead (:class:`vllm_graft.core.budget.ChainScout`); the chains built to
         decide are kept for :meth:`_propose_chains`."""
-        self.scouted, self.shadow_trials = None, 0
+        self.scouted = None
         drafting = [i for i, s in enumerate(settled) if s.drafts and self.may_draft(
             runner.requests[runner.input_batch.req_ids[s.batch_row]],
             s.first_position + len(s.rows), StepMode.CHAIN)]
         if not drafting:
             return False
-        chains, choice = self._build_chains(runner, settled, drafting, shadow=True)
+        chains, choice = self._build_chains(runner, settled, drafting)
         if not self.scout.promising(choice.step_tokens(len(settled)), choice.step_ms,
                                     plain_rate):
             return False

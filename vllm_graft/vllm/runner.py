@@ -485,10 +485,11 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
                     len(requests), StepMode.PLAIN)):
                 mode = StepMode.CHAIN
                 stats.counts["chain_scout_steps"] += 1
-            stats.counts["chain_shadow_trials"] += proposer.shadow_trials
         proposer.mode, proposer.trees_in_reach = agree((mode, reach))
     _decide_drafting(runner, settled)
     drafts = proposer.propose_trees(runner, scheduler_output, settled, aux_hidden_states)
+    stats.counts["chain_shadow_trials"] += proposer.shadow_trials
+    proposer.shadow_trials = 0
     if proposer.guard is not None:
         stats.counts[f"guard_{proposer.ran_mode.value}_steps"] += 1
     build = proposer.last_build
