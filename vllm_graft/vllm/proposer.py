@@ -424,7 +424,7 @@ class GraftTreeDrafting:
         self.pending[req_id] = PendingTree(
             tree.tokens[t, :n], tree.parents[t, :n], tree.depths[t, :n], tree.source[t, :n],
             stage, confidence, None if tree.score is None else tree.score[t, :n],
-            drafts[batch_row], chain)
+            list(drafts[batch_row]), chain)  # its own list: the scheduler gets the other
         return n
 
     def _scored_by_match(self, tree, match_lengths: list[int]):
