@@ -426,19 +426,15 @@ class AcceptanceModel:
         """Learn from one verified batch: every node whose parent was on the accepted
         path is a trial; it succeeds when the node is on the path too."""
         trial = host_array(parent_accepted).astype(bool)
-        self._observe_at(self._bucket(source, depth, score), trial,
-                         host_array(accepted).astype(bool))
-
-    def _observe_at(self, buckets, trial: np.ndarray, accepted: np.ndarray) -> None:
-        """:meth:`observe` with host arrays and :meth:`_bucket`'s indices: one count per
-        class (a bincount) added to the tensors' host views."""
-        flat = np.ravel_multi_index(tuple(part[trial] for part in buckets),
+        accepted = host_array(accepted).astype(np.float64)[trial]
+        # one count per class (a bincount), added to the tensors' host views
+        flat = np.ravel_multi_index(tuple(part[trial] for part in
+                                          self._bucket(source, depth, score)),
                                     self.trials.shape)
         size = self.trials.numel()
         trials, accepts = self.trials.numpy(), self.accepts.numpy()
         trials += np.bincount(flat, minlength=size).reshape(trials.shape)
-        accepts += np.bincount(flat, weights=accepted[trial].astype(np.float64),
-                               minlength=size).reshape(accepts.shape)
+        accepts += np.bincount(flat, weights=accepted, minlength=size).reshape(accepts.shape)
 
 
 def host_array(values) -> np.ndarray:
@@ -931,6 +927,5 @@ class TreeSizer:
         parents = host_array(tree.parents)
         parent_on_path = np.take_along_axis(on_path, np.maximum(parents, 0), axis=1)
         trial = host_array(tree.valid) & parent_on_path & (parents >= 0)
-        model = self.acceptance_for(mode)
-        model._observe_at(model._bucket(tree.source, tree.depths, self._score(tree, score)),
-                          trial, on_path)
+        self.acceptance_for(mode).observe(tree.source, tree.depths, self._score(tree, score),
+                                          trial, on_path)

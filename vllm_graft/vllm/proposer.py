@@ -451,8 +451,7 @@ class GraftTreeDrafting:
             req_id = req_ids[settled[i].batch_row]
             kept = self._schedule(chains, rows, t, req_id, settled[i].batch_row, drafts,
                                   chain=True) - 1
-            if self.uses_context and self.sizer is not None:
-                self._mark_verified(runner, req_id, kept)
+            self._mark_verified(req_id, kept)
             nodes += kept
         self.last_chains = (len(drafting), nodes)
         return drafts
@@ -521,9 +520,10 @@ class GraftTreeDrafting:
         self.sizer.chain_acceptance.observe(source, depths, score, trial, accepted)
         self.shadow_trials += int(trial.sum())
 
-    def _mark_verified(self, runner, req_id: str, nodes: int) -> None:
+    def _mark_verified(self, req_id: str, nodes: int) -> None:
         """A chain step verifies the first ``nodes`` nodes of the chain built this step
-        for ``req_id``: its shadow leaves them to verification's lesson."""
+        for ``req_id``: its shadow (if chains keep shadows) leaves them to verification's
+        lesson."""
         shadow = self.shadows.get(req_id)
         if shadow is not None and shadow.root == len(self.context_indexes[req_id].tokens) - 1:
             shadow.verified = nodes
