@@ -3,7 +3,8 @@ import json
 import pytest
 
 from vllm_graft.core.calibration import (Calibration, CalibrationError, ModelIdentity,
-                                         fingerprint_model, load_calibration)
+                                         SourceAcceptance, fingerprint_model,
+                                         load_calibration, tally_acceptance)
 from vllm_graft.core.config import GraftConfig
 
 FP_T, FP_D = "a" * 64, "b" * 64
@@ -41,6 +42,14 @@ def test_roundtrip_and_config_check(tmp_path):
     (lambda d: d["target"].update(fingerprint="xyz"), "calibration.target.fingerprint"),
     (lambda d: d.update(extra_field=1), "calibration.extra_field: unknown key"),
     (lambda d: d.update(budget="sixty"), "calibration.budget"),
+    (lambda d: d.update(acceptance={"draft": {"trials": [3], "accepts": [4]}}),
+     "calibration.acceptance.draft: at depth 1, 4 accepts exceed 3 trials"),
+    (lambda d: d.update(acceptance={"drafted": {"trials": [3], "accepts": [1]}}),
+     "calibration.acceptance.drafted"),
+    (lambda d: d.update(acceptance={"context": {"trials": [3, 1], "accepts": [1]}}),
+     "calibration.acceptance.context: trials"),
+    (lambda d: d.update(acceptance={"both": {"trials": [-1], "accepts": [0]}}),
+     "calibration.acceptance.both.trials.0"),
 ])
 def test_malformed_fields_are_named(tmp_path, edit, field):
     data = _valid()
@@ -48,6 +57,27 @@ def test_malformed_fields_are_named(tmp_path, edit, field):
     with pytest.raises(CalibrationError, match=field.replace(".", r"\.")) as err:
         load_calibration(_write(tmp_path, data))
     assert "calib.json" in str(err.value)
+
+
+def test_tally_counts_the_nodes_whose_parent_was_accepted():
+    """Root 0; depth 1: 1 drafted (accepted), 2 retrieved; depth 2: 3 drafted under 1
+    (accepted), 4 copied under 2 (its parent rejected: no trial), 5 both under 1."""
+    record = {"parents": [-1, 0, 0, 1, 2, 1], "depths": [0, 1, 1, 2, 2, 2],
+              "source": [0, 1, 2, 1, 2 | 4, 3], "accepted_rows": [1, 3]}
+    tally = tally_acceptance([record, record])
+    assert tally == {"draft": SourceAcceptance(trials=(2, 2), accepts=(2, 2)),
+                     "retrieved": SourceAcceptance(trials=(2,), accepts=(0,)),
+                     "both": SourceAcceptance(trials=(0, 2), accepts=(0, 0))}
+    assert tally_acceptance([]) == {}
+
+
+def test_a_calibration_keeps_its_acceptance_and_older_files_have_none(tmp_path):
+    assert load_calibration(_write(tmp_path, _valid())).acceptance is None
+    data = {**_valid(), "acceptance": {"draft": {"trials": [10, 4], "accepts": [6, 1]}}}
+    cal = load_calibration(_write(tmp_path, data))
+    assert cal.acceptance["draft"] == SourceAcceptance(trials=(10, 4), accepts=(6, 1))
+    cal.save(tmp_path / "again.json")
+    assert load_calibration(tmp_path / "again.json") == cal
 
 
 def test_unreadable_and_non_json(tmp_path):

@@ -274,3 +274,55 @@ def test_the_scouts_looks_teach_the_acceptance_model_while_no_chain_runs(
     assert not metrics.get("graft_guard_chain_steps"), metrics
     assert metrics["graft_chain_shadow_trials"] > 0, metrics
     assert 0 < learned <= metrics["graft_chain_shadow_trials"], (learned, metrics)
+
+
+def tree_model_counts(worker) -> dict:
+    """The sizer's acceptance models beyond their prior: trials per (source, depth) of
+    the tree model in score bucket 0, and the chain model's total."""
+    sizer = worker.model_runner.drafter.sizer
+    tree = sizer.acceptance.trials - sizer.acceptance.prior_trials
+    chain = sizer.chain_acceptance.trials - sizer.chain_acceptance.prior_trials
+    return {"tree": tree[:, :, 0].tolist(), "chain": float(chain.sum())}
+
+
+def test_a_calibration_of_recorded_trees_seeds_the_sizer(tiny_models, plain_outputs, tmp_path,
+                                                          monkeypatch):
+    """The calibration's tally of an engine's verified trees (as ``vllm-graft calibrate``
+    makes it) reaches a budget-auto engine's tree acceptance model at start-up, each
+    (source, depth) weighing at most its cap; copy chains' model stays at its prior;
+    greedy output stays identical."""
+    from vllm import SamplingParams
+
+    from vllm_graft.core.budget import CALIBRATION_EVIDENCE_TRIALS, SOURCE_NAMES
+    from vllm_graft.core.calibration import (Calibration, ModelIdentity, fingerprint_model,
+                                             tally_acceptance)
+    from vllm_graft.vllm.rpc import start_tree_recording, take_tree_records
+
+    monkeypatch.setenv("VLLM_GRAFT_CACHE", str(tmp_path))
+    with running_llm(tiny_models.target, graft_spec(tiny_models.head)) as llm:
+        llm.collective_rpc(start_tree_recording)
+        llm.generate(PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                     use_tqdm=False)
+        records = llm.collective_rpc(take_tree_records)[0]
+    tally = tally_acceptance(records)
+    # every root's children were tried, and at most one of them accepted
+    depth_1 = [counts for counts in tally.values() if counts.trials]
+    assert sum(counts.trials[0] for counts in depth_1) >= len(records) > 0
+    assert 0 < sum(counts.accepts[0] for counts in depth_1) <= len(records)
+    calibration = Calibration(
+        format_version=1, checkpoints=(0, 1, 5), thresholds=(0.0, 0.0, 0.0), budget=60,
+        draft_keep=(8, 24, 40), template="best_first",
+        target=ModelIdentity(name="tiny", fingerprint=fingerprint_model(tiny_models.target)),
+        drafter=ModelIdentity(name="head", fingerprint=fingerprint_model(tiny_models.head)),
+        warmup_corpus_sha256="0" * 64, acceptance=tally)
+    calibration.save(tmp_path / "calib.json")
+
+    spec = graft_spec(tiny_models.head, budget="auto", calibration=str(tmp_path / "calib.json"))
+    with running_llm(tiny_models.target, spec) as llm:
+        seeded = llm.collective_rpc(tree_model_counts)[0]
+        assert_greedy_identical(llm, PROMPTS[:4], plain_outputs[:4], MAX_TOKENS)
+    for name, counts in tally.items():
+        for depth, tried in enumerate(counts.trials):
+            expected = min(tried, CALIBRATION_EVIDENCE_TRIALS)
+            assert seeded["tree"][SOURCE_NAMES.index(name)][depth] == expected, (name, depth)
+    assert seeded["chain"] == 0

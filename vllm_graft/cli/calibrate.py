@@ -9,6 +9,9 @@
    the freed slots (with the warmed-up successor matrix).
 3. A coordinate search picks the thresholds that maximise accepted tokens per unit of
    step cost, a step costing ``1 + draft_cost * draft_forwards`` (verification = 1).
+4. Every tree verified in these runs is tallied per node source and depth (tried and
+   accepted): the file's ``acceptance``, which seeds ``budget: "auto"``'s acceptance
+   model.
 
 ``--variant tail`` calibrates Graft-TAIL chains of ``--budget`` tokens the same way:
 unpruned chains record the cumulative confidence after each draft step and how many
@@ -42,7 +45,7 @@ def run_calibration(model: str, head: str, out: Path, *, warmup: str | None, rou
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
-    from vllm_graft.core.calibration import TreeRecord, fit_thresholds
+    from vllm_graft.core.calibration import TreeRecord, fit_thresholds, tally_acceptance
     from vllm_graft.core.config import GraftConfig
     from vllm_graft.vllm.rpc import start_tree_recording, take_tree_records
 
@@ -61,6 +64,7 @@ def run_calibration(model: str, head: str, out: Path, *, warmup: str | None, rou
         llm.collective_rpc(start_tree_recording)
         llm.generate(rendered, params, use_tqdm=True)
         raw = llm.collective_rpc(take_tree_records)[0]
+    verified = list(raw)  # every verified tree of every run: the acceptance per source
     records = [TreeRecord.from_dense_tree(r["depths"], r["accepted_rows"], r["confidence"],
                                           config.checkpoints, config.draft_keep) for r in raw]
     kept_mean = [sum(r.kept_accepted[i] for r in records) / max(len(records), 1)
@@ -71,19 +75,32 @@ def run_calibration(model: str, head: str, out: Path, *, warmup: str | None, rou
         forced = [0.0] * len(config.checkpoints)
         forced[i] = 1.0  # confidence never exceeds 1: every tree stops at checkpoint i
         spec = graft_config_dict(head, budget=budget, thresholds=forced, **extra)
-        with engine(model, spec, dtype=dtype, max_model_len=max_model_len) as llm:
-            before = counters(llm)
-            llm.generate(rendered, params, use_tqdm=True)
-            d = counter_delta(counters(llm), before)
-        hybrid = d["spec_decode_num_accepted_tokens"] / max(d["spec_decode_num_drafts"], 1)
+        hybrid, trees = _forced_run(model, spec, rendered, params, dtype, max_model_len)
         gains.append(max(hybrid - kept_mean[i], 0.0))
+        verified += trees
 
     thresholds, fit = fit_thresholds(records, config.checkpoints, tuple(gains),
                                      config.max_depth, draft_cost=draft_cost)
     return _save_calibration(
         out, model, head, prompts, warmup, rounds, start, fit, kept_mean,
         checkpoints=config.checkpoints, thresholds=thresholds, budget=config.budget,
-        draft_keep=config.draft_keep, template="best_first")
+        draft_keep=config.draft_keep, template="best_first",
+        acceptance=tally_acceptance(verified))
+
+
+def _forced_run(model: str, spec: dict, rendered, params, dtype: str, max_model_len: int
+                ) -> tuple[float, list[dict]]:
+    """One run with every tree or chain stopped at a forced checkpoint: its accepted
+    drafts per step, and its verified trees (recorded)."""
+    from vllm_graft.vllm.rpc import start_tree_recording, take_tree_records
+
+    with engine(model, spec, dtype=dtype, max_model_len=max_model_len) as llm:
+        before = counters(llm)
+        llm.collective_rpc(start_tree_recording)
+        llm.generate(rendered, params, use_tqdm=True)
+        trees = llm.collective_rpc(take_tree_records)[0]
+        d = counter_delta(counters(llm), before)
+    return d["spec_decode_num_accepted_tokens"] / max(d["spec_decode_num_drafts"], 1), trees
 
 
 def _save_calibration(out: Path, model: str, head: str, prompts, warmup: str | None,
@@ -114,7 +131,8 @@ def run_tail_calibration(model: str, head: str, out: Path, *, warmup: str | None
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
-    from vllm_graft.core.calibration import ChainRecord, fit_chain_thresholds
+    from vllm_graft.core.calibration import (ChainRecord, fit_chain_thresholds,
+                                             tally_acceptance)
     from vllm_graft.core.config import GraftConfig
     from vllm_graft.vllm.rpc import start_tree_recording, take_tree_records
 
@@ -135,6 +153,7 @@ def run_tail_calibration(model: str, head: str, out: Path, *, warmup: str | None
         llm.collective_rpc(start_tree_recording)
         llm.generate(rendered, params, use_tqdm=True)
         raw = llm.collective_rpc(take_tree_records)[0]
+    verified = list(raw)
     # chains the scheduler cut short (near the length limit) say nothing about the rest
     records = [ChainRecord(tuple(r["confidence"]), len(r["accepted_rows"])) for r in raw
                if len(r["depths"]) == length + 1]
@@ -150,19 +169,17 @@ def run_tail_calibration(model: str, head: str, out: Path, *, warmup: str | None
         forced[i] = 1.0  # confidence never exceeds 1: every chain stops at this step
         spec = graft_config_dict(head, variant="tail", budget=length, thresholds=forced,
                                  **extra)
-        with engine(model, spec, dtype=dtype, max_model_len=max_model_len) as llm:
-            before = counters(llm)
-            llm.generate(rendered, params, use_tqdm=True)
-            d = counter_delta(counters(llm), before)
-        hybrid = d["spec_decode_num_accepted_tokens"] / max(d["spec_decode_num_drafts"], 1)
+        hybrid, chains = _forced_run(model, spec, rendered, params, dtype, max_model_len)
         gains.append(max(hybrid - kept, 0.0))
+        verified += chains
 
     thresholds, fit = fit_chain_thresholds(records, checkpoints, tuple(gains), length,
                                            draft_cost=draft_cost)
     return _save_calibration(
         out, model, head, prompts, warmup, rounds, start, fit, kept_mean,
         checkpoints=checkpoints, thresholds=thresholds, budget=length,
-        draft_keep=config.draft_keep, template="top1_walk", shape="chain")
+        draft_keep=config.draft_keep, template="top1_walk", shape="chain",
+        acceptance=tally_acceptance(verified))
 
 
 def main(argv=None) -> int:

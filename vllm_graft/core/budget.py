@@ -27,6 +27,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -42,6 +43,8 @@ from vllm_graft.core.hybrid import SOURCE_CONTEXT, HybridTree, trim_chains, trim
 SOURCE_NAMES = ("draft", "retrieved", "both", "context")
 #: the score of a node nothing more is known of than its source and depth
 UNKNOWN_SCORE = 0.5
+#: the most trials a calibration's measurement of one (source, depth) counts as
+CALIBRATION_EVIDENCE_TRIALS = 32.0
 
 
 # ---- cost ------------------------------------------------------------------------------
@@ -368,8 +371,9 @@ class AcceptanceModel:
     split it evenly. The engine scores context-copied nodes by the length of their
     match (:func:`vllm_graft.core.context.match_score`: a long match is copied far more
     often than a short one); its drafted and retrieved nodes are :data:`UNKNOWN_SCORE`,
-    told apart by source and depth only. ``prior_accepts`` / ``prior_trials`` seed every bucket (for example from
-    the acceptance rates a calibration run measured), so a cold model is not blind.
+    told apart by source and depth only. ``prior_accepts`` / ``prior_trials`` seed every
+    bucket; :meth:`seed` adds the rates a calibration run measured, so a cold model is
+    not blind.
     """
 
     max_depth: int = 10
@@ -389,9 +393,7 @@ class AcceptanceModel:
     def _bucket(self, source, depth, score) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Host index arrays (source class, depth, score bucket) of nodes of any shape;
         source: the hybrid tree's tags (1 drafted, 2 retrieved, 3 both, context bit)."""
-        source = host_array(source).astype(np.int64)
-        s = np.where((source & SOURCE_CONTEXT) > 0, SOURCE_NAMES.index("context"),
-                     np.clip(source, 1, 3) - 1)
+        s = source_classes(source)
         d = np.clip(host_array(depth).astype(np.int64), 1, self.max_depth) - 1
         b = (np.clip(host_array(score).astype(np.float64), 0, 1)
              * self.score_buckets).astype(np.int64)
@@ -435,6 +437,34 @@ class AcceptanceModel:
         trials, accepts = self.trials.numpy(), self.accepts.numpy()
         trials += np.bincount(flat, minlength=size).reshape(trials.shape)
         accepts += np.bincount(flat, weights=accepted, minlength=size).reshape(accepts.shape)
+
+    def seed(self, measured: Mapping, evidence_trials: float = CALIBRATION_EVIDENCE_TRIALS
+             ) -> None:
+        """Add what a calibration run measured (``measured``: source name -> counts with
+        ``trials`` and ``accepts`` per depth, :class:`~vllm_graft.core.calibration.
+        SourceAcceptance`) to the prior, in every score bucket. Each (source, depth)
+        weighs at most ``evidence_trials`` trials at its measured rate: the calibration
+        ran other prompts, maybe another template, so a few dozen of serving's own
+        trials should outweigh it; until then a cold model chooses by measured odds, not
+        by the prior alone."""
+        trials, accepts = self.trials.numpy(), self.accepts.numpy()
+        for name, counts in measured.items():
+            source = SOURCE_NAMES.index(name)
+            for depth, (tried, accepted) in enumerate(zip(counts.trials, counts.accepts)):
+                if tried <= 0:
+                    continue
+                depth = min(depth, self.max_depth - 1)
+                weight = min(float(tried), evidence_trials)
+                trials[source, depth] += weight
+                accepts[source, depth] += weight * accepted / tried
+
+
+def source_classes(source) -> np.ndarray:
+    """Index into :data:`SOURCE_NAMES` of nodes tagged ``source`` (the hybrid tree's tags:
+    1 drafted, 2 retrieved, 3 both, context bit; a copied node is ``context``)."""
+    source = host_array(source).astype(np.int64)
+    return np.where((source & SOURCE_CONTEXT) > 0, SOURCE_NAMES.index("context"),
+                    np.clip(source, 1, 3) - 1)
 
 
 def host_array(values) -> np.ndarray:

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+import numpy as np
+from pydantic import (BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError,
+                      field_validator, model_validator)
 
 from vllm_graft.core.config import GraftConfig, format_validation_error
 
@@ -36,6 +38,31 @@ class ModelIdentity(BaseModel):
     fingerprint: str = Field(pattern="^[0-9a-f]{64}$")
 
 
+class SourceAcceptance(BaseModel):
+    """What a calibration run measured of one source's nodes, per depth (item 0: depth
+    1): how many were tried (their parent lay on the accepted path) and how many of
+    those were accepted."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    trials: tuple[NonNegativeInt, ...]
+    accepts: tuple[NonNegativeInt, ...]
+
+    @model_validator(mode="after")
+    def _counts(self) -> SourceAcceptance:
+        if len(self.trials) != len(self.accepts):
+            raise ValueError(f"trials ({len(self.trials)} depths) and accepts "
+                             f"({len(self.accepts)} depths) must have the same length")
+        for depth, (tried, accepted) in enumerate(zip(self.trials, self.accepts), 1):
+            if accepted > tried:
+                raise ValueError(f"at depth {depth}, {accepted} accepts exceed "
+                                 f"{tried} trials")
+        return self
+
+
+#: the node sources a calibration measures (the acceptance model's classes)
+AcceptanceSource = Literal["draft", "retrieved", "both", "context"]
+
+
 class Calibration(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -51,6 +78,10 @@ class Calibration(BaseModel):
     drafter: ModelIdentity
     warmup_corpus_sha256: str = Field(pattern="^[0-9a-f]{64}$")
     fit: dict[str, Any] = Field(default_factory=dict, description="how the fit went")
+    acceptance: dict[AcceptanceSource, SourceAcceptance] | None = Field(
+        None, description="per source and depth, how often the calibration runs' nodes "
+        "were accepted: seeds the acceptance model of budget auto (files written before "
+        "it was recorded have none, and the model starts from its prior)")
 
     @field_validator("format_version")
     @classmethod
@@ -240,6 +271,37 @@ def fit_thresholds(records: list[TreeRecord], checkpoints: tuple[int, ...],
     return tuple(round(t, 4) for t in thresholds), _fit_summary(
         run(thresholds), run(tuple(0.0 for _ in checkpoints)), len(records), draft_cost,
         retrieval_gain)
+
+
+# ---- acceptance per source and depth ------------------------------------------------------
+def tally_acceptance(records: list[dict], max_depth: int = 10
+                     ) -> dict[str, SourceAcceptance]:
+    """Per source class and depth, the nodes of verified trees whose parent lay on the
+    accepted path (trials) and those accepted. ``records``: verified trees as the
+    engine's tree recording gives them (``parents``, ``depths``, ``source`` per row,
+    row 0 the root, and ``accepted_rows``); depths past ``max_depth`` count as
+    ``max_depth``, as the acceptance model buckets them."""
+    from vllm_graft.core.budget import SOURCE_NAMES, source_classes
+
+    trials = np.zeros((len(SOURCE_NAMES), max_depth), dtype=np.int64)
+    accepts = np.zeros_like(trials)
+    for record in records:
+        parents = np.asarray(record["parents"], dtype=np.int64)
+        on_path = np.zeros(parents.size, dtype=bool)
+        on_path[0] = True
+        on_path[np.asarray(record["accepted_rows"], dtype=np.int64)] = True
+        tried = (parents >= 0) & on_path[np.maximum(parents, 0)]
+        where = (source_classes(np.asarray(record["source"])[tried]),
+                 np.clip(np.asarray(record["depths"])[tried], 1, max_depth) - 1)
+        np.add.at(trials, where, 1)
+        np.add.at(accepts, where, on_path[tried].astype(np.int64))
+    tally = {}
+    for name, tried, accepted in zip(SOURCE_NAMES, trials, accepts):
+        depths = int(np.flatnonzero(tried)[-1]) + 1 if tried.any() else 0
+        if depths:
+            tally[name] = SourceAcceptance(trials=tuple(tried[:depths].tolist()),
+                                           accepts=tuple(accepted[:depths].tolist()))
+    return tally
 
 
 # ---- Graft-TAIL chains ------------------------------------------------------------------

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_graft.core.calibration import fingerprint_model, load_calibration
+from vllm_graft.core.calibration import Calibration, fingerprint_model, load_calibration
 from vllm_graft.core.config import GraftConfig, GraftConfigError, TreeShape, resolve_tree_shape
 from vllm_graft.core.successor import read_successor_file
 
@@ -154,23 +154,22 @@ def _local_fingerprint(model: str | None) -> str | None:
 
 def check_files(config: GraftConfig, *, target_model: str | None, drafter_model: str | None,
                 target_vocab_size: int | None, target_tokenizer: TokenizerRef | None = None
-                ) -> tuple[float, ...] | None:
-    """Validate the calibration, warm-up and successor state files; returns calibrated
-    thresholds. ``target_tokenizer``: the target's tokenizer (default: its model's)."""
-    calibrated = None
+                ) -> Calibration | None:
+    """Validate the calibration, warm-up and successor state files; returns the
+    calibration. ``target_tokenizer``: the target's tokenizer (default: its model's)."""
+    calibration = None
     if config.calibration is not None:
         calibration = load_calibration(
             config.calibration, config,
             target_fingerprint=_local_fingerprint(target_model),
             drafter_fingerprint=_local_fingerprint(drafter_model))
-        calibrated = calibration.thresholds
     files = [path for path in (config.warmup, config.successor_state_file) if path]
     tokenizer = target_tokenizer or (TokenizerRef(target_model) if target_model else None)
     fingerprint = tokenizer.fingerprint() if files and tokenizer else None
     for path in files:
         read_successor_file(path, vocab_size=target_vocab_size, k=config.successor_k,
                             tokenizer_fingerprint=fingerprint)
-    return calibrated
+    return calibration
 
 
 @dataclass(frozen=True)
@@ -234,13 +233,15 @@ def cuda_graphs_enabled(vllm_config) -> bool:
 
 @dataclass(frozen=True)
 class GraftSettings:
-    """What a worker needs: the validated config, the thresholds in force, and the tree
+    """What a worker needs: the validated config, the thresholds in force, the tree
     shape in force (``graft.tree_shape`` resolved against this engine's CUDA-graph
-    setting: ``auto`` is ``fixed`` with CUDA graphs, ``dynamic`` in eager mode)."""
+    setting: ``auto`` is ``fixed`` with CUDA graphs, ``dynamic`` in eager mode), and the
+    calibration file's contents (None without one)."""
 
     config: GraftConfig
     thresholds: tuple[float, ...]
     tree_shape: TreeShape = TreeShape.DYNAMIC
+    calibration: Calibration | None = None
 
     @classmethod
     def from_vllm_config(cls, vllm_config) -> GraftSettings | None:
@@ -249,11 +250,14 @@ class GraftSettings:
             return None
         config = GraftConfig.from_dict(raw, where="additional_config.graft")
         spec = vllm_config.speculative_config
-        calibrated = check_files(
+        calibration = check_files(
             config, target_model=vllm_config.model_config.model,
             drafter_model=spec.model if spec is not None else None,
             target_vocab_size=vllm_config.model_config.get_vocab_size(),
             target_tokenizer=TokenizerRef.of(vllm_config.model_config))
-        return cls(config=config, thresholds=config.effective_thresholds(calibrated),
+        thresholds = config.effective_thresholds(
+            calibration.thresholds if calibration is not None else None)
+        return cls(config=config, thresholds=thresholds,
                    tree_shape=resolve_tree_shape(config.tree_shape,
-                                                 cuda_graphs_enabled(vllm_config)))
+                                                 cuda_graphs_enabled(vllm_config)),
+                   calibration=calibration)

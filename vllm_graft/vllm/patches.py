@@ -318,11 +318,16 @@ def _patch_runner() -> list[Patch]:
                 kv_reader(impl, layer, kv_cache)  # refuses a layout it cannot read
                 tree_attention_patch(type(impl)).apply()
             if self.drafter.auto_size:
-                from vllm_graft.core.budget import ChainScout, ThroughputGuard, TreeSizer
+                from vllm_graft.core.budget import (AcceptanceModel, ChainScout,
+                                                    ThroughputGuard, TreeSizer)
                 from vllm_graft.core.config import StepMode
                 from vllm_graft.vllm.cost_profile import load_or_measure
 
-                self.drafter.sizer = TreeSizer(load_or_measure(self))
+                acceptance = AcceptanceModel()
+                calibration = self.drafter.settings.calibration
+                if calibration is not None and calibration.acceptance:
+                    acceptance.seed(calibration.acceptance)
+                self.drafter.sizer = TreeSizer(load_or_measure(self), acceptance)
                 config = self.drafter.settings.config
                 if config.auto_guard:
                     self.drafter.guard = ThroughputGuard(modes=config.guard_modes)

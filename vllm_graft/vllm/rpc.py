@@ -53,7 +53,8 @@ def matrix_digest(worker) -> str:
 
 
 def start_tree_recording(worker) -> None:
-    """Record every verified tree (its shape, drafting confidences, accepted rows)."""
+    """Record every verified tree (its shape, sources, drafting confidences, accepted
+    rows)."""
     from vllm_graft.vllm import runner
 
     _proposer(worker)
@@ -80,6 +81,7 @@ def _record(tree, accepted_rows: list[int]) -> None:
     pending = tree.tree
     confidence = pending.confidence.tolist() if pending.confidence is not None else []
     _RECORDS.append({"req_id": tree.req_id, "position": tree.prefix_len,
+                     "parents": pending.parents.tolist(),
                      "depths": pending.depths.tolist(), "source": pending.source.tolist(),
                      "stage": pending.stage, "confidence": confidence,
                      "tokens": pending.tokens.tolist(), "accepted_rows": accepted_rows,
