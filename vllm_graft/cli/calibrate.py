@@ -6,12 +6,14 @@
    best-path confidence after each step and the accepted path, which tells how many
    accepted tokens a tree stopped at checkpoint ``i`` would have kept.
 2. One run per checkpoint with pruning forced there measures what retrieval adds in
-   the freed slots (with the warmed-up successor matrix).
+   the freed slots (with the warmed-up successor matrix; without context copies, which
+   the dense run has none of either: their tokens are no gain of pruning).
 3. A coordinate search picks the thresholds that maximise accepted tokens per unit of
    step cost, a step costing ``1 + draft_cost * draft_forwards`` (verification = 1).
-4. Every tree verified in these runs is tallied per node source and depth (tried and
-   accepted): the file's ``acceptance``, which seeds ``budget: "auto"``'s acceptance
-   model.
+4. A last run with the fitted thresholds and the product's defaults (context copies
+   on) tallies its verified trees' nodes per source and depth (tried and accepted): the
+   file's ``acceptance``, which seeds ``budget: "auto"``'s acceptance model with the odds
+   of the trees it will size.
 
 ``--variant tail`` calibrates Graft-TAIL chains of ``--budget`` tokens the same way:
 unpruned chains record the cumulative confidence after each draft step and how many
@@ -64,7 +66,6 @@ def run_calibration(model: str, head: str, out: Path, *, warmup: str | None, rou
         llm.collective_rpc(start_tree_recording)
         llm.generate(rendered, params, use_tqdm=True)
         raw = llm.collective_rpc(take_tree_records)[0]
-    verified = list(raw)  # every verified tree of every run: the acceptance per source
     records = [TreeRecord.from_dense_tree(r["depths"], r["accepted_rows"], r["confidence"],
                                           config.checkpoints, config.draft_keep) for r in raw]
     kept_mean = [sum(r.kept_accepted[i] for r in records) / max(len(records), 1)
@@ -74,13 +75,15 @@ def run_calibration(model: str, head: str, out: Path, *, warmup: str | None, rou
     for i in range(len(config.checkpoints)):
         forced = [0.0] * len(config.checkpoints)
         forced[i] = 1.0  # confidence never exceeds 1: every tree stops at checkpoint i
-        spec = graft_config_dict(head, budget=budget, thresholds=forced, **extra)
-        hybrid, trees = _forced_run(model, spec, rendered, params, dtype, max_model_len)
+        spec = graft_config_dict(head, budget=budget, thresholds=forced, context=False,
+                                 **extra)
+        hybrid, _ = _recorded_run(model, spec, rendered, params, dtype, max_model_len)
         gains.append(max(hybrid - kept_mean[i], 0.0))
-        verified += trees
 
     thresholds, fit = fit_thresholds(records, config.checkpoints, tuple(gains),
                                      config.max_depth, draft_cost=draft_cost)
+    product = graft_config_dict(head, budget=budget, thresholds=list(thresholds), **extra)
+    _, verified = _recorded_run(model, product, rendered, params, dtype, max_model_len)
     return _save_calibration(
         out, model, head, prompts, warmup, rounds, start, fit, kept_mean,
         checkpoints=config.checkpoints, thresholds=thresholds, budget=config.budget,
@@ -88,10 +91,10 @@ def run_calibration(model: str, head: str, out: Path, *, warmup: str | None, rou
         acceptance=tally_acceptance(verified))
 
 
-def _forced_run(model: str, spec: dict, rendered, params, dtype: str, max_model_len: int
-                ) -> tuple[float, list[dict]]:
-    """One run with every tree or chain stopped at a forced checkpoint: its accepted
-    drafts per step, and its verified trees (recorded)."""
+def _recorded_run(model: str, spec: dict, rendered, params, dtype: str, max_model_len: int
+                  ) -> tuple[float, list[dict]]:
+    """One run of ``spec``: its accepted drafts per step, and its verified trees or
+    chains (recorded)."""
     from vllm_graft.vllm.rpc import start_tree_recording, take_tree_records
 
     with engine(model, spec, dtype=dtype, max_model_len=max_model_len) as llm:
@@ -169,7 +172,7 @@ def run_tail_calibration(model: str, head: str, out: Path, *, warmup: str | None
         forced[i] = 1.0  # confidence never exceeds 1: every chain stops at this step
         spec = graft_config_dict(head, variant="tail", budget=length, thresholds=forced,
                                  **extra)
-        hybrid, chains = _forced_run(model, spec, rendered, params, dtype, max_model_len)
+        hybrid, chains = _recorded_run(model, spec, rendered, params, dtype, max_model_len)
         gains.append(max(hybrid - kept, 0.0))
         verified += chains
 
