@@ -160,45 +160,54 @@ def test_acceptance_model_learns_per_source_and_depth():
     assert torch.equal(model.trials, before)
 
 
-def test_a_calibrations_measured_rates_seed_the_model_as_capped_evidence():
-    from vllm_graft.core.calibration import SourceAcceptance
+def _tally(**sources):
+    """An acceptance tally of 4 score buckets; ``sources``: name -> (trials, accepts) per
+    depth, each a list per bucket."""
+    from vllm_graft.core.calibration import AcceptanceTally, SourceAcceptance
 
-    model = AcceptanceModel(max_depth=4, score_buckets=2)
-    model.seed({"draft": SourceAcceptance(trials=(1000, 10), accepts=(900, 1)),
-                "context": SourceAcceptance(trials=(0, 0, 8), accepts=(0, 0, 8))})
-    rate = lambda source, depth: model.conditional(  # noqa: E731
-        torch.tensor([source]), torch.tensor([depth]), torch.tensor([0.9])).item()
+    return AcceptanceTally(score_buckets=4, sources={
+        name: SourceAcceptance(trials=trials, accepts=accepts)
+        for name, (trials, accepts) in sources.items()})
+
+
+def test_a_calibrations_measured_rates_seed_the_model_as_capped_evidence():
+    model = AcceptanceModel(max_depth=4)
+    model.seed(_tally(draft=([[0, 0, 0, 1000], [0, 0, 0, 10]], [[0, 0, 0, 900], [0, 0, 0, 1]]),
+                      context=([[0] * 4, [0] * 4, [8, 0, 0, 0]], [[0] * 4, [0] * 4, [8, 0, 0, 0]])))
+
+    def rate(source, depth, score):
+        return model.conditional(torch.tensor([source]), torch.tensor([depth]),
+                                 torch.tensor([score])).item()
     # 1000 trials count as 32 beside the prior of 1 in 4; 10 trials as 10
-    assert rate(SOURCE_DRAFT, 1) == pytest.approx((1 + 32 * 0.9) / (4 + 32))
-    assert rate(SOURCE_DRAFT, 2) == pytest.approx((1 + 1) / (4 + 10))
-    assert rate(SOURCE_CONTEXT, 3) == pytest.approx((1 + 8) / (4 + 8))
-    # what was not measured stays at the prior
-    assert rate(SOURCE_RETRIEVED, 1) == rate(SOURCE_CONTEXT, 1) == pytest.approx(0.25)
+    assert rate(SOURCE_DRAFT, 1, 0.9) == pytest.approx((1 + 32 * 0.9) / (4 + 32))
+    assert rate(SOURCE_DRAFT, 2, 0.9) == pytest.approx((1 + 1) / (4 + 10))
+    assert rate(SOURCE_CONTEXT, 3, 0.1) == pytest.approx((1 + 8) / (4 + 8))
+    # what was not measured stays at the prior: other buckets, sources and depths
+    assert rate(SOURCE_DRAFT, 1, 0.1) == rate(SOURCE_RETRIEVED, 1, 0.9) == pytest.approx(0.25)
     # serving's own trials soon outweigh the calibration's
     n = 200
     model.observe(torch.full((n,), SOURCE_DRAFT), torch.ones(n, dtype=torch.long),
                   torch.full((n,), 0.9), torch.ones(n, dtype=torch.bool),
                   torch.arange(n) < 40)
-    assert rate(SOURCE_DRAFT, 1) < 0.35
+    assert rate(SOURCE_DRAFT, 1, 0.9) < 0.35
+    with pytest.raises(ValueError, match="acceptance.score_buckets"):
+        AcceptanceModel(score_buckets=2).seed(_tally())
 
 
 def test_a_seeded_sizer_keeps_the_nodes_its_calibration_found_likely_from_the_start():
     """A node must be accepted more than half the time to pay for its verification on
     this curve: the cold sizer, at its prior, verifies nothing; seeded by a calibration
-    that measured drafted nodes at 0.9 and retrieved ones at 0.01, it keeps the drafted
-    child and cuts the retrieved one. The copy-chain model is not seeded by tree runs."""
-    from vllm_graft.core.calibration import SourceAcceptance
-
+    that measured confident drafted children (score >= 0.75) at 0.9 and unsure ones at
+    0.01, it keeps the confident child and cuts the unsure one. The copy-chain model is
+    not seeded by tree runs."""
     cost = CostModel(curves={1: ([1.0, 101.0], [10.0, 510.0])})
     tree = HybridTree(tokens=torch.tensor([[5, 6, 7]]), parents=torch.tensor([[-1, 0, 0]]),
                       depths=torch.tensor([[0, 1, 1]]), valid=torch.ones(1, 3, dtype=torch.bool),
-                      source=torch.tensor([[0, SOURCE_DRAFT, SOURCE_RETRIEVED]],
-                                          dtype=torch.uint8),
-                      num_nodes=torch.tensor([3]))
+                      source=torch.tensor([[0, SOURCE_DRAFT, SOURCE_DRAFT]], dtype=torch.uint8),
+                      num_nodes=torch.tensor([3]), score=torch.tensor([[0.0, 0.8, 0.1]]))
     assert TreeSizer(cost).choose(tree).keep.tolist() == [[True, False, False]]
     seeded = AcceptanceModel()
-    seeded.seed({"draft": SourceAcceptance(trials=(1000,), accepts=(900,)),
-                 "retrieved": SourceAcceptance(trials=(1000,), accepts=(10,))})
+    seeded.seed(_tally(draft=([[1000, 0, 0, 1000]], [[10, 0, 0, 900]])))
     sizer = TreeSizer(cost, seeded)
     assert sizer.choose(tree).keep.tolist() == [[True, True, False]]
     assert torch.equal(sizer.chain_acceptance.trials, AcceptanceModel().trials)

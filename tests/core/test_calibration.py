@@ -20,6 +20,10 @@ def _valid():
     }
 
 
+def _tally(**sources):
+    return {"score_buckets": 4, "sources": sources}
+
+
 def _write(tmp_path, data, name="calib.json"):
     path = tmp_path / name
     path.write_text(data if isinstance(data, str) else json.dumps(data))
@@ -42,14 +46,22 @@ def test_roundtrip_and_config_check(tmp_path):
     (lambda d: d["target"].update(fingerprint="xyz"), "calibration.target.fingerprint"),
     (lambda d: d.update(extra_field=1), "calibration.extra_field: unknown key"),
     (lambda d: d.update(budget="sixty"), "calibration.budget"),
-    (lambda d: d.update(acceptance={"draft": {"trials": [3], "accepts": [4]}}),
-     "calibration.acceptance.draft: at depth 1, 4 accepts exceed 3 trials"),
-    (lambda d: d.update(acceptance={"drafted": {"trials": [3], "accepts": [1]}}),
-     "calibration.acceptance.drafted"),
-    (lambda d: d.update(acceptance={"context": {"trials": [3, 1], "accepts": [1]}}),
-     "calibration.acceptance.context: trials"),
-    (lambda d: d.update(acceptance={"both": {"trials": [-1], "accepts": [0]}}),
-     "calibration.acceptance.both.trials.0"),
+    (lambda d: d.update(acceptance=_tally(draft={"trials": [[3, 0, 0, 0]],
+                                                  "accepts": [[4, 0, 0, 0]]})),
+     "calibration.acceptance.sources.draft: at depth 1, score bucket 0, 4 accepts exceed 3"),
+    (lambda d: d.update(acceptance=_tally(drafted={"trials": [[3, 0, 0, 0]],
+                                                    "accepts": [[1, 0, 0, 0]]})),
+     "calibration.acceptance.sources.drafted"),
+    (lambda d: d.update(acceptance=_tally(context={"trials": [[3, 0, 0, 0], [1, 0, 0, 0]],
+                                                    "accepts": [[1, 0, 0, 0]]})),
+     "calibration.acceptance.sources.context: trials and accepts must have the same shape"),
+    (lambda d: d.update(acceptance=_tally(both={"trials": [[-1, 0, 0, 0]],
+                                                 "accepts": [[0, 0, 0, 0]]})),
+     "calibration.acceptance.sources.both.trials.0.0"),
+    (lambda d: d.update(acceptance=_tally(both={"trials": [[1, 0]], "accepts": [[0, 0]]})),
+     "calibration.acceptance: every depth of source 'both' needs 4 score buckets"),
+    (lambda d: d.update(acceptance={"score_buckets": 2, "sources": {}}),
+     "calibration.acceptance.score_buckets: 2 score buckets, but the acceptance model has 4"),
 ])
 def test_malformed_fields_are_named(tmp_path, edit, field):
     data = _valid()
@@ -60,22 +72,29 @@ def test_malformed_fields_are_named(tmp_path, edit, field):
 
 
 def test_tally_counts_the_nodes_whose_parent_was_accepted():
-    """Root 0; depth 1: 1 drafted (accepted), 2 retrieved; depth 2: 3 drafted under 1
-    (accepted), 4 copied under 2 (its parent rejected: no trial), 5 both under 1."""
-    record = {"parents": [-1, 0, 0, 1, 2, 1], "depths": [0, 1, 1, 2, 2, 2],
-              "source": [0, 1, 2, 1, 2 | 4, 3], "accepted_rows": [1, 3]}
-    tally = tally_acceptance([record, record])
-    assert tally == {"draft": SourceAcceptance(trials=(2, 2), accepts=(2, 2)),
-                     "retrieved": SourceAcceptance(trials=(2,), accepts=(0,)),
-                     "both": SourceAcceptance(trials=(0, 2), accepts=(0, 0))}
-    assert tally_acceptance([]) == {}
+    """Root 0; depth 1: 1 drafted (accepted, score 0.9), 2 retrieved (score 0.3); depth
+    2: 3 drafted under 1 (accepted), 4 copied under 2 (its parent rejected: no trial),
+    5 both under 1. Unscored trees count as the unknown score's bucket (2 of 4)."""
+    tree = {"parents": [-1, 0, 0, 1, 2, 1], "depths": [0, 1, 1, 2, 2, 2],
+            "source": [0, 1, 2, 1, 2 | 4, 3], "accepted_rows": [1, 3]}
+    scored = {**tree, "score": [0.0, 0.9, 0.3, 0.6, 1.0, 0.1]}
+    tally = tally_acceptance([scored, {**tree, "score": None}])
+    assert tally.score_buckets == 4
+    assert tally.sources == {
+        "draft": SourceAcceptance(trials=((0, 0, 1, 1), (0, 0, 2, 0)),
+                                  accepts=((0, 0, 1, 1), (0, 0, 2, 0))),
+        "retrieved": SourceAcceptance(trials=((0, 1, 1, 0),), accepts=((0, 0, 0, 0),)),
+        "both": SourceAcceptance(trials=((0, 0, 0, 0), (1, 0, 1, 0)),
+                                 accepts=((0, 0, 0, 0), (0, 0, 0, 0)))}
+    assert tally_acceptance([]).sources == {}
 
 
 def test_a_calibration_keeps_its_acceptance_and_older_files_have_none(tmp_path):
     assert load_calibration(_write(tmp_path, _valid())).acceptance is None
-    data = {**_valid(), "acceptance": {"draft": {"trials": [10, 4], "accepts": [6, 1]}}}
+    data = {**_valid(), "acceptance": _tally(draft={"trials": [[10, 0, 0, 2], [4, 0, 0, 0]],
+                                                    "accepts": [[6, 0, 0, 1], [1, 0, 0, 0]]})}
     cal = load_calibration(_write(tmp_path, data))
-    assert cal.acceptance["draft"] == SourceAcceptance(trials=(10, 4), accepts=(6, 1))
+    assert cal.acceptance.sources["draft"].trials == ((10, 0, 0, 2), (4, 0, 0, 0))
     cal.save(tmp_path / "again.json")
     assert load_calibration(tmp_path / "again.json") == cal
 

@@ -136,3 +136,32 @@ def test_context_nodes_come_first_merge_with_others_and_are_counted():
                               num_accepted=torch.tensor([0, 2]))
     counts = accepted_by_source(tree, result)
     assert counts["context"] == 2 and counts["draft"] == counts["retrieved"] == 0
+
+
+def test_a_scoring_builder_scores_drafted_nodes_by_the_drafter_and_retrieved_by_rank():
+    """With ``score_nodes`` (budget auto's acceptance model reads it), a drafted node
+    scores its probability under the drafter given its parent, a retrieved node
+    ``1 / (1 + its successor rank)``, a node both proposed the higher; the tree itself is
+    the one an unscored build makes."""
+    cfg = GraftConfig(budget=60)
+    matrix = _matrix()
+    drafter = TableDrafter(VOCAB, cfg.top_k, confidence=CONFIDENCE)
+    roots = torch.tensor([1, 2])
+    plain, _ = GraftTreeBuilder(cfg, matrix).build(roots, drafter)
+    tree, _ = GraftTreeBuilder(cfg, matrix, score_nodes=True).build(roots, drafter)
+    assert plain.score is None
+    assert torch.equal(tree.tokens, plain.tokens) and torch.equal(tree.source, plain.source)
+    checked = set()
+    for b in range(2):
+        for row in range(1, int(tree.num_nodes[b])):
+            token = int(tree.tokens[b, row])
+            parent = int(tree.tokens[b, int(tree.parents[b, row])])
+            expected = []
+            if tree.source[b, row] & SOURCE_DRAFT:
+                expected.append(drafter.logprobs[parent, token].exp().item())
+            if tree.source[b, row] & SOURCE_RETRIEVED:
+                rank = matrix.table[parent].tolist().index(token)
+                expected.append(1.0 / (1 + rank))
+            assert tree.score[b, row].item() == pytest.approx(max(expected), rel=1e-5)
+            checked.add(int(tree.source[b, row]))
+    assert checked >= {SOURCE_DRAFT, SOURCE_RETRIEVED}

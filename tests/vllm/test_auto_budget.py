@@ -277,20 +277,21 @@ def test_the_scouts_looks_teach_the_acceptance_model_while_no_chain_runs(
 
 
 def tree_model_counts(worker) -> dict:
-    """The sizer's acceptance models beyond their prior: trials per (source, depth) of
-    the tree model in score bucket 0, and the chain model's total."""
+    """The sizer's acceptance models beyond their prior: trials per (source, depth, score
+    bucket) of the tree model, and the chain model's total."""
     sizer = worker.model_runner.drafter.sizer
     tree = sizer.acceptance.trials - sizer.acceptance.prior_trials
     chain = sizer.chain_acceptance.trials - sizer.chain_acceptance.prior_trials
-    return {"tree": tree[:, :, 0].tolist(), "chain": float(chain.sum())}
+    return {"tree": tree.tolist(), "chain": float(chain.sum())}
 
 
 def test_a_calibration_of_recorded_trees_seeds_the_sizer(tiny_models, plain_outputs, tmp_path,
                                                           monkeypatch):
     """The calibration's tally of an engine's verified trees (as ``vllm-graft calibrate``
     makes it) reaches a budget-auto engine's tree acceptance model at start-up, each
-    (source, depth) weighing at most its cap; copy chains' model stays at its prior;
-    greedy output stays identical."""
+    (source, depth, score bucket) weighing at most its cap; the recorded trees of a
+    fixed budget were scored (drafted nodes by the drafter, retrieved ones by rank);
+    copy chains' model stays at its prior; greedy output stays identical."""
     from vllm import SamplingParams
 
     from vllm_graft.core.budget import CALIBRATION_EVIDENCE_TRIALS, SOURCE_NAMES
@@ -299,16 +300,24 @@ def test_a_calibration_of_recorded_trees_seeds_the_sizer(tiny_models, plain_outp
     from vllm_graft.vllm.rpc import start_tree_recording, take_tree_records
 
     monkeypatch.setenv("VLLM_GRAFT_CACHE", str(tmp_path))
-    with running_llm(tiny_models.target, graft_spec(tiny_models.head)) as llm:
+    # a budget-auto engine (its trees scored) with the sizer cutting nothing: the
+    # trees of a calibration's last run
+    flat_profile(tiny_models.target, tmp_path)
+    recording = graft_spec(tiny_models.head, budget="auto", guard_modes=["tree"])
+    with running_llm(tiny_models.target, recording) as llm:
         llm.collective_rpc(start_tree_recording)
         llm.generate(PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
                      use_tqdm=False)
         records = llm.collective_rpc(take_tree_records)[0]
     tally = tally_acceptance(records)
     # every root's children were tried, and at most one of them accepted
-    depth_1 = [counts for counts in tally.values() if counts.trials]
-    assert sum(counts.trials[0] for counts in depth_1) >= len(records) > 0
-    assert 0 < sum(counts.accepts[0] for counts in depth_1) <= len(records)
+    depth_1 = [counts for counts in tally.sources.values() if counts.trials]
+    assert sum(sum(counts.trials[0]) for counts in depth_1) >= len(records) > 0
+    assert 0 < sum(sum(counts.accepts[0]) for counts in depth_1) <= len(records)
+    # scored trees: retrieved nodes over several buckets (by rank), drafted ones by the
+    # drafter's odds (this tiny head's are all low), none at the unknown score's bucket
+    assert sum(1 for bucket in zip(*tally.sources["retrieved"].trials) if any(bucket)) > 1
+    assert not any(counts[2] for counts in tally.sources["draft"].trials)
     calibration = Calibration(
         format_version=1, checkpoints=(0, 1, 5), thresholds=(0.0, 0.0, 0.0), budget=60,
         draft_keep=(8, 24, 40), template="best_first",
@@ -321,8 +330,8 @@ def test_a_calibration_of_recorded_trees_seeds_the_sizer(tiny_models, plain_outp
     with running_llm(tiny_models.target, spec) as llm:
         seeded = llm.collective_rpc(tree_model_counts)[0]
         assert_greedy_identical(llm, PROMPTS[:4], plain_outputs[:4], MAX_TOKENS)
-    for name, counts in tally.items():
+    for name, counts in tally.sources.items():
         for depth, tried in enumerate(counts.trials):
-            expected = min(tried, CALIBRATION_EVIDENCE_TRIALS)
+            expected = [min(n, CALIBRATION_EVIDENCE_TRIALS) for n in tried]
             assert seeded["tree"][SOURCE_NAMES.index(name)][depth] == expected, (name, depth)
     assert seeded["chain"] == 0

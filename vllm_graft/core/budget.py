@@ -27,7 +27,6 @@ from __future__ import annotations
 import bisect
 import json
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -36,13 +35,12 @@ import torch
 
 from vllm_graft.core.acceptance import AcceptanceResult
 from vllm_graft.core.config import StepMode
-from vllm_graft.core.hybrid import SOURCE_CONTEXT, HybridTree, trim_chains, trim_tree
+from vllm_graft.core.hybrid import (SOURCE_CONTEXT, UNKNOWN_SCORE, HybridTree, trim_chains,
+                                   trim_tree)
 
 #: the acceptance model's source classes; a context-copied node is ``context`` whatever
 #: else proposed it
 SOURCE_NAMES = ("draft", "retrieved", "both", "context")
-#: the score of a node nothing more is known of than its source and depth
-UNKNOWN_SCORE = 0.5
 #: the most trials a calibration's measurement of one (source, depth) counts as
 CALIBRATION_EVIDENCE_TRIALS = 32.0
 
@@ -370,10 +368,14 @@ class AcceptanceModel:
     ``score`` is what is known of a node when the tree is built, in [0, 1]; buckets
     split it evenly. The engine scores context-copied nodes by the length of their
     match (:func:`vllm_graft.core.context.match_score`: a long match is copied far more
-    often than a short one); its drafted and retrieved nodes are :data:`UNKNOWN_SCORE`,
-    told apart by source and depth only. ``prior_accepts`` / ``prior_trials`` seed every
-    bucket; :meth:`seed` adds the rates a calibration run measured, so a cold model is
-    not blind.
+    often than a short one), a tree's drafted nodes by their probability under the
+    drafter given their parent (:func:`vllm_graft.core.graft.local_probability`) and its
+    retrieved nodes by their successor rank (:func:`vllm_graft.core.graft.rank_score`):
+    a tree's many siblings are accepted far less often than its first child, and one
+    rate per depth would keep or cut them all. A node proposed by several sources keeps
+    the highest score; nodes of chains walked by the matrix are :data:`UNKNOWN_SCORE`.
+    ``prior_accepts`` / ``prior_trials`` seed every bucket; :meth:`seed` adds the rates
+    a calibration run measured, so a cold model is not blind.
     """
 
     max_depth: int = 10
@@ -395,9 +397,7 @@ class AcceptanceModel:
         source: the hybrid tree's tags (1 drafted, 2 retrieved, 3 both, context bit)."""
         s = source_classes(source)
         d = np.clip(host_array(depth).astype(np.int64), 1, self.max_depth) - 1
-        b = (np.clip(host_array(score).astype(np.float64), 0, 1)
-             * self.score_buckets).astype(np.int64)
-        return s, d, np.minimum(b, self.score_buckets - 1)
+        return s, d, score_buckets_of(score, self.score_buckets)
 
     def _optimistic_at(self, buckets) -> np.ndarray:
         """:meth:`optimistic` at :meth:`_bucket`'s indices, on the host."""
@@ -438,25 +438,26 @@ class AcceptanceModel:
         trials += np.bincount(flat, minlength=size).reshape(trials.shape)
         accepts += np.bincount(flat, weights=accepted, minlength=size).reshape(accepts.shape)
 
-    def seed(self, measured: Mapping, evidence_trials: float = CALIBRATION_EVIDENCE_TRIALS
-             ) -> None:
-        """Add what a calibration run measured (``measured``: source name -> counts with
-        ``trials`` and ``accepts`` per depth, :class:`~vllm_graft.core.calibration.
-        SourceAcceptance`) to the prior, in every score bucket. Each (source, depth)
+    def seed(self, measured, evidence_trials: float = CALIBRATION_EVIDENCE_TRIALS) -> None:
+        """Add what a calibration run measured (``measured``:
+        :class:`~vllm_graft.core.calibration.AcceptanceTally`, trials and accepts per
+        source, depth and score bucket) to the prior. Each (source, depth, bucket)
         weighs at most ``evidence_trials`` trials at its measured rate: the calibration
-        ran other prompts, maybe another template, so a few dozen of serving's own
-        trials should outweigh it; until then a cold model chooses by measured odds, not
-        by the prior alone."""
+        ran other prompts, so a few dozen of serving's own trials should outweigh it;
+        until then a cold model chooses by measured odds, not by the prior alone."""
+        if measured.score_buckets != self.score_buckets:
+            raise ValueError(f"calibration field 'acceptance.score_buckets' is "
+                             f"{measured.score_buckets}, but the acceptance model has "
+                             f"{self.score_buckets} score buckets; recalibrate")
         trials, accepts = self.trials.numpy(), self.accepts.numpy()
-        for name, counts in measured.items():
+        for name, counts in measured.sources.items():
             source = SOURCE_NAMES.index(name)
             for depth, (tried, accepted) in enumerate(zip(counts.trials, counts.accepts)):
-                if tried <= 0:
-                    continue
                 depth = min(depth, self.max_depth - 1)
-                weight = min(float(tried), evidence_trials)
+                tried, accepted = np.asarray(tried, float), np.asarray(accepted, float)
+                weight = np.minimum(tried, evidence_trials)
                 trials[source, depth] += weight
-                accepts[source, depth] += weight * accepted / tried
+                accepts[source, depth] += weight * accepted / np.maximum(tried, 1.0)
 
 
 def source_classes(source) -> np.ndarray:
@@ -467,6 +468,12 @@ def source_classes(source) -> np.ndarray:
                     np.clip(source, 1, 3) - 1)
 
 
+def score_buckets_of(score, buckets: int) -> np.ndarray:
+    """Which of ``buckets`` even buckets of [0, 1] each score falls in (host array)."""
+    b = (np.clip(host_array(score).astype(np.float64), 0, 1) * buckets).astype(np.int64)
+    return np.minimum(b, buckets - 1)
+
+
 def host_array(values) -> np.ndarray:
     """A tensor (any device) or array as a host numpy array (a view for CPU tensors)."""
     if isinstance(values, torch.Tensor):
@@ -474,13 +481,16 @@ def host_array(values) -> np.ndarray:
     return np.asarray(values)
 
 
-def context_scores(source: torch.Tensor, request_scores: torch.Tensor) -> torch.Tensor:
+def context_scores(source: torch.Tensor, request_scores: torch.Tensor,
+                   others: torch.Tensor | None = None) -> torch.Tensor:
     """``[B, N]`` scores of a tree's nodes: each context-copied node gets its request's
     match score (``request_scores`` ``[B]``, :func:`vllm_graft.core.context.match_score`),
-    every other node :data:`UNKNOWN_SCORE`."""
+    every other node its score in ``others`` (``[B, N]``; None: :data:`UNKNOWN_SCORE`)."""
     copied = (source.long() & SOURCE_CONTEXT) > 0
+    if others is None:
+        others = torch.full(source.shape, UNKNOWN_SCORE, device=source.device)
     return torch.where(copied, request_scores.to(torch.float32).unsqueeze(1).to(source.device),
-                       torch.full(source.shape, UNKNOWN_SCORE, device=source.device))
+                       others.to(torch.float32))
 
 
 # The sizer's arithmetic runs on the host in numpy: its arrays are a batch of trees of a

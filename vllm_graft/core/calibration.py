@@ -40,27 +40,55 @@ class ModelIdentity(BaseModel):
 
 class SourceAcceptance(BaseModel):
     """What a calibration run measured of one source's nodes, per depth (item 0: depth
-    1): how many were tried (their parent lay on the accepted path) and how many of
-    those were accepted."""
+    1) and score bucket: how many were tried (their parent lay on the accepted path)
+    and how many of those were accepted."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    trials: tuple[NonNegativeInt, ...]
-    accepts: tuple[NonNegativeInt, ...]
+    trials: tuple[tuple[NonNegativeInt, ...], ...]
+    accepts: tuple[tuple[NonNegativeInt, ...], ...]
 
     @model_validator(mode="after")
     def _counts(self) -> SourceAcceptance:
-        if len(self.trials) != len(self.accepts):
-            raise ValueError(f"trials ({len(self.trials)} depths) and accepts "
-                             f"({len(self.accepts)} depths) must have the same length")
+        if [len(row) for row in self.trials] != [len(row) for row in self.accepts]:
+            raise ValueError("trials and accepts must have the same shape (depths x score "
+                             "buckets)")
         for depth, (tried, accepted) in enumerate(zip(self.trials, self.accepts), 1):
-            if accepted > tried:
-                raise ValueError(f"at depth {depth}, {accepted} accepts exceed "
-                                 f"{tried} trials")
+            for bucket, (t, a) in enumerate(zip(tried, accepted)):
+                if a > t:
+                    raise ValueError(f"at depth {depth}, score bucket {bucket}, {a} accepts "
+                                     f"exceed {t} trials")
         return self
 
 
 #: the node sources a calibration measures (the acceptance model's classes)
 AcceptanceSource = Literal["draft", "retrieved", "both", "context"]
+
+
+class AcceptanceTally(BaseModel):
+    """Per node source, depth and score bucket (``score_buckets`` even buckets of [0, 1]),
+    the nodes a calibration run tried and accepted (:func:`tally_acceptance`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    score_buckets: int = Field(ge=1)
+    sources: dict[AcceptanceSource, SourceAcceptance]
+
+    @field_validator("score_buckets")
+    @classmethod
+    def _model_buckets(cls, v: int) -> int:
+        from vllm_graft.core.budget import AcceptanceModel
+
+        if v != AcceptanceModel.score_buckets:
+            raise ValueError(f"{v} score buckets, but the acceptance model has "
+                             f"{AcceptanceModel.score_buckets}; recalibrate")
+        return v
+
+    @model_validator(mode="after")
+    def _buckets(self) -> AcceptanceTally:
+        for name, counts in self.sources.items():
+            if any(len(row) != self.score_buckets for row in counts.trials):
+                raise ValueError(f"every depth of source {name!r} needs {self.score_buckets} "
+                                 f"score buckets")
+        return self
 
 
 class Calibration(BaseModel):
@@ -78,7 +106,7 @@ class Calibration(BaseModel):
     drafter: ModelIdentity
     warmup_corpus_sha256: str = Field(pattern="^[0-9a-f]{64}$")
     fit: dict[str, Any] = Field(default_factory=dict, description="how the fit went")
-    acceptance: dict[AcceptanceSource, SourceAcceptance] | None = Field(
+    acceptance: AcceptanceTally | None = Field(
         None, description="per source and depth, how often the calibration runs' nodes "
         "were accepted: seeds the acceptance model of budget auto (files written before "
         "it was recorded have none, and the model starts from its prior)")
@@ -274,16 +302,19 @@ def fit_thresholds(records: list[TreeRecord], checkpoints: tuple[int, ...],
 
 
 # ---- acceptance per source and depth ------------------------------------------------------
-def tally_acceptance(records: list[dict], max_depth: int = 10
-                     ) -> dict[str, SourceAcceptance]:
-    """Per source class and depth, the nodes of verified trees whose parent lay on the
-    accepted path (trials) and those accepted. ``records``: verified trees as the
-    engine's tree recording gives them (``parents``, ``depths``, ``source`` per row,
-    row 0 the root, and ``accepted_rows``); depths past ``max_depth`` count as
-    ``max_depth``, as the acceptance model buckets them."""
-    from vllm_graft.core.budget import SOURCE_NAMES, source_classes
+def tally_acceptance(records: list[dict]) -> AcceptanceTally:
+    """Per source class, depth and score bucket, the nodes of verified trees whose parent
+    lay on the accepted path (trials) and those accepted. ``records``: verified trees as
+    the engine's tree recording gives them (``parents``, ``depths``, ``source`` and
+    ``score``, None when unscored, per row, row 0 the root; and ``accepted_rows``);
+    depths and scores are bucketed as the acceptance model buckets them."""
+    from vllm_graft.core.budget import (SOURCE_NAMES, AcceptanceModel, score_buckets_of,
+                                        source_classes)
+    from vllm_graft.core.hybrid import UNKNOWN_SCORE
 
-    trials = np.zeros((len(SOURCE_NAMES), max_depth), dtype=np.int64)
+    max_depth, score_buckets = AcceptanceModel.max_depth, AcceptanceModel.score_buckets
+    shape = (len(SOURCE_NAMES), max_depth, score_buckets)
+    trials = np.zeros(shape, dtype=np.int64)
     accepts = np.zeros_like(trials)
     for record in records:
         parents = np.asarray(record["parents"], dtype=np.int64)
@@ -291,17 +322,22 @@ def tally_acceptance(records: list[dict], max_depth: int = 10
         on_path[0] = True
         on_path[np.asarray(record["accepted_rows"], dtype=np.int64)] = True
         tried = (parents >= 0) & on_path[np.maximum(parents, 0)]
+        score = record.get("score")
+        score = np.full(parents.size, UNKNOWN_SCORE) if score is None else np.asarray(score)
         where = (source_classes(np.asarray(record["source"])[tried]),
-                 np.clip(np.asarray(record["depths"])[tried], 1, max_depth) - 1)
+                 np.clip(np.asarray(record["depths"])[tried], 1, max_depth) - 1,
+                 score_buckets_of(score[tried], score_buckets))
         np.add.at(trials, where, 1)
         np.add.at(accepts, where, on_path[tried].astype(np.int64))
-    tally = {}
+    sources = {}
     for name, tried, accepted in zip(SOURCE_NAMES, trials, accepts):
-        depths = int(np.flatnonzero(tried)[-1]) + 1 if tried.any() else 0
-        if depths:
-            tally[name] = SourceAcceptance(trials=tuple(tried[:depths].tolist()),
-                                           accepts=tuple(accepted[:depths].tolist()))
-    return tally
+        measured = np.flatnonzero(tried.sum(1))
+        if measured.size:
+            depths = int(measured[-1]) + 1
+            sources[name] = SourceAcceptance(trials=tuple(map(tuple, tried[:depths].tolist())),
+                                             accepts=tuple(map(tuple,
+                                                               accepted[:depths].tolist())))
+    return AcceptanceTally(score_buckets=score_buckets, sources=sources)
 
 
 # ---- Graft-TAIL chains ------------------------------------------------------------------

@@ -106,8 +106,9 @@ class GraftTreeBuilder:
     def __init__(self, config: GraftConfig, matrix: SuccessorMatrix,
                  thresholds: tuple[float, ...] | None = None,
                  device: torch.device | str = "cpu",
-                 tree_shape: TreeShape | str | None = None):
+                 tree_shape: TreeShape | str | None = None, score_nodes: bool = False):
         self.config = config
+        self.score_nodes = score_nodes
         self.matrix = matrix
         self.device = torch.device(device)
         variant = config.variant
@@ -157,6 +158,7 @@ class GraftTreeBuilder:
                 int(self.retrieval_keep.max()), config.rank_prior,
                 max_depth=config.retrieval_depth, max_width=config.retrieval_width)
             self.expander = TemplateExpander(template, self.device)
+            self.retrieval_scores = rank_score(torch.tensor(template.ranks, device=self.device))
 
     @property
     def full_stage(self) -> int:
@@ -195,7 +197,8 @@ class GraftTreeBuilder:
             kept_tokens, kept_parents = draft.tokens, draft.parents
             if self.replace_below is not None:
                 kept_tokens, kept_parents, replaced = self._replace_low_confidence(draft)
-            parts.append((kept_tokens, kept_parents, draft.depths, SOURCE_DRAFT))
+            parts.append((kept_tokens, kept_parents, draft.depths, SOURCE_DRAFT,
+                          local_probability(draft) if self.score_nodes else None))
             steps = draft.steps
             stage = draft.stage if self.config.variant.prunes else torch.full(
                 (batch,), self.full_stage, dtype=torch.long, device=self.device)
@@ -212,7 +215,8 @@ class GraftTreeBuilder:
                 else self.retrieval_keep[:1].expand(batch)
             retrieved = self.expander.expand(matrix, root_tokens, keep)
             parts.append((retrieved.tokens, retrieved.parents, retrieved.depths,
-                          SOURCE_RETRIEVED))
+                          SOURCE_RETRIEVED, self.retrieval_scores.expand(batch, -1)
+                          if self.score_nodes else None))
             lookups = keep.clamp(max=self.expander.size)
             hits = (retrieved.tokens >= 0).sum(1)
         if self.fixed_shape and self.config.variant is Variant.GRAFT:
@@ -326,6 +330,21 @@ class GraftTreeBuilder:
         return tree_row_topk(tree, target_logits, self.matrix.k, self.matrix.backend)
 
 
+def local_probability(draft: DraftTree) -> torch.Tensor:
+    """``[B, capacity]`` each drafted node's probability under the drafter given its
+    parent (its cumulative score less its parent's), 0 where invalid: the score the
+    acceptance model buckets drafted nodes by (:attr:`HybridTree.score`)."""
+    parent = draft.scores.gather(1, draft.parents.clamp(min=0))
+    parent = torch.where(draft.parents >= 0, parent, 0.0)
+    return torch.where(draft.valid, (draft.scores - parent).exp(), 0.0).clamp(0.0, 1.0)
+
+
+def rank_score(ranks: torch.Tensor) -> torch.Tensor:
+    """``1 / (1 + rank)``: the score of a retrieved node that is its parent's
+    ``rank``-th successor in the matrix (the top successor scores 1)."""
+    return 1.0 / (1.0 + ranks.float())
+
+
 def learnable_tokens(tree: HybridTree) -> torch.Tensor:
     """[B, N+1] the tokens the successor matrix learns from, -1 elsewhere: valid rows
     that are not padding (``SuccessorMatrix.update_from_logits_`` skips -1)."""
@@ -349,4 +368,4 @@ def accepted_by_source(tree: HybridTree, result: AcceptanceResult) -> dict[str, 
 
 
 __all__ = ["BuildStats", "DraftTree", "GraftTreeBuilder", "accepted_by_source",
-           "learnable_tokens"]
+           "learnable_tokens", "local_probability", "rank_score"]

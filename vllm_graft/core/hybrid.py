@@ -29,6 +29,9 @@ SOURCE_PAD = 4
 #: Copied from the request's own context (prompt lookup, :mod:`vllm_graft.core.context`);
 #: combines with the other bits when sources propose the same node.
 SOURCE_CONTEXT = 8
+#: the score (:attr:`HybridTree.score`) of a node nothing more is known of than its
+#: source and depth
+UNKNOWN_SCORE = 0.5
 
 
 @dataclass
@@ -81,15 +84,18 @@ class HybridTree:
         return int(self.depths.max()) if self.depths.numel() else 0
 
 
-def merge_and_flatten(root_tokens: torch.Tensor,
-                      parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]],
-                      budget: int) -> HybridTree:
+def merge_and_flatten(root_tokens: torch.Tensor, parts: list[tuple], budget: int
+                      ) -> HybridTree:
     """Merge candidate subtrees into one tree of at most ``budget`` nodes (+ root).
 
     root_tokens: [B]
     parts: in priority order, each ``(tokens [B, n], parents [B, n], depths [B, n],
-           source_flag)``; ``parents`` index into that part (-1 = the root); a token -1
-           marks an invalid candidate, which invalidates its descendants too.
+           source_flag)`` or with a fifth item, the nodes' scores ``[B, n]`` in [0, 1]
+           (:attr:`HybridTree.score`); ``parents`` index into that part (-1 = the
+           root); a token -1 marks an invalid candidate, which invalidates its
+           descendants too. When any part is scored, the tree is: a node proposed by
+           several parts keeps the highest score, a node of an unscored part
+           :data:`UNKNOWN_SCORE`.
     """
     batch = root_tokens.shape[0]
     device = root_tokens.device
@@ -97,8 +103,13 @@ def merge_and_flatten(root_tokens: torch.Tensor,
     parents = [torch.full((batch, 1), -1, dtype=torch.long, device=device)]
     depths = [torch.zeros((batch, 1), dtype=torch.long, device=device)]
     flags = [torch.full((batch, 1), SOURCE_ROOT, dtype=torch.uint8, device=device)]
+    scored = any(len(part) > 4 and part[4] is not None for part in parts)
+    scores = [torch.zeros((batch, 1), device=device)]
     offset = 1
-    for part_tokens, part_parents, part_depths, flag in parts:
+    for part_tokens, part_parents, part_depths, flag, *part_score in parts:
+        if scored:
+            scores.append(part_score[0].float() if part_score and part_score[0] is not None
+                          else torch.full(part_tokens.shape, UNKNOWN_SCORE, device=device))
         tokens.append(part_tokens.long())
         parents.append(torch.where(part_parents >= 0, part_parents + offset, 0))
         depths.append(part_depths.long())
@@ -139,6 +150,10 @@ def merge_and_flatten(root_tokens: torch.Tensor,
         has = (valid & (flags == flag)).to(torch.uint8)
         hit = torch.zeros_like(merged_flags).scatter_reduce(1, canon, has, "amax")
         merged_flags |= hit * flag
+    merged_score = None
+    if scored:
+        score = torch.where(valid, torch.cat(scores, 1), 0.0)
+        merged_score = torch.zeros_like(score).scatter_reduce(1, canon, score, "amax")
 
     rows = budget + 1
     row_of = torch.where(kept, rank, rows)  # dropped candidates go to a scratch row
@@ -157,6 +172,7 @@ def merge_and_flatten(root_tokens: torch.Tensor,
         valid=out_valid,
         source=out_source,
         num_nodes=out_valid.sum(dim=1),
+        score=None if merged_score is None else _scatter_rows(merged_score, row_of, rows, 0),
     )
 
 

@@ -325,7 +325,7 @@ def _patch_runner() -> list[Patch]:
 
                 acceptance = AcceptanceModel()
                 calibration = self.drafter.settings.calibration
-                if calibration is not None and calibration.acceptance:
+                if calibration is not None and calibration.acceptance is not None:
                     acceptance.seed(calibration.acceptance)
                 self.drafter.sizer = TreeSizer(load_or_measure(self), acceptance)
                 config = self.drafter.settings.config

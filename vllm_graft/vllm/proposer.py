@@ -228,16 +228,19 @@ class GraftTreeDrafting:
                 writer=is_state_writer(vllm_config))
         # the worker's heap, handed back now and then (graft.heap_trim_s)
         self.heap_trimmer = HeapTrimmer(config.heap_trim_s)
+        # budget "auto": the sizer exists once the runner measured the cost profile
+        self.auto_size = config.auto_size and settings.tree_shape is TreeShape.DYNAMIC
+        # trees carry their nodes' scores: the sizer's acceptance model tells nodes apart
+        # by them, and a calibration's tree records tally them (for fixed budgets too)
         self.tree_builder = GraftTreeBuilder(config, matrix, settings.thresholds, device,
-                                             tree_shape=settings.tree_shape)
+                                             tree_shape=settings.tree_shape,
+                                             score_nodes=True)
         # which matrix partition each request reads and teaches (graft.isolation)
         self.isolation = MatrixPartitions(IsolationMode(config.isolation.mode), matrix,
                                           config.isolation.max_matrices)
         self.tenant_field = config.isolation.tenant_field
         self.pending: dict[str, PendingTree] = {}
         self.last_build: BuildStats | None = None
-        # budget "auto": the sizer exists once the runner measured the cost profile
-        self.auto_size = config.auto_size and settings.tree_shape is TreeShape.DYNAMIC
         if config.auto_size and not self.auto_size:
             logger.warning("Graft: budget \"auto\" is off: fixed-shape trees always "
                            "hold budget nodes")
@@ -429,10 +432,11 @@ class GraftTreeDrafting:
 
     def _scored_by_match(self, tree, match_lengths: list[int]):
         """``tree`` with its copied nodes scored by their request's context match
-        (:func:`vllm_graft.core.context.match_score`), for the sizer's acceptance model."""
+        (:func:`vllm_graft.core.context.match_score`), its other nodes keeping the score
+        the build gave them, for the sizer's acceptance model."""
         min_ngram = self.context_config.min_ngram
         return tree.with_score(context_scores(tree.source, torch.tensor(
-            [match_score(length, min_ngram) for length in match_lengths])))
+            [match_score(length, min_ngram) for length in match_lengths]), tree.score))
 
     def _propose_chains(self, runner, settled: list[SettledRows], drafting: list[int],
                         drafts: list[list[int]]) -> list[list[int]]:

@@ -53,8 +53,8 @@ def matrix_digest(worker) -> str:
 
 
 def start_tree_recording(worker) -> None:
-    """Record every verified tree (its shape, sources, drafting confidences, accepted
-    rows)."""
+    """Record every verified tree (its shape, sources, scores, drafting confidences,
+    accepted rows)."""
     from vllm_graft.vllm import runner
 
     _proposer(worker)
@@ -83,6 +83,7 @@ def _record(tree, accepted_rows: list[int]) -> None:
     _RECORDS.append({"req_id": tree.req_id, "position": tree.prefix_len,
                      "parents": pending.parents.tolist(),
                      "depths": pending.depths.tolist(), "source": pending.source.tolist(),
+                     "score": None if pending.score is None else pending.score.tolist(),
                      "stage": pending.stage, "confidence": confidence,
                      "tokens": pending.tokens.tolist(), "accepted_rows": accepted_rows,
                      "accepted_tokens": pending.tokens[accepted_rows].tolist()})
