@@ -276,7 +276,7 @@ class CostModel:
 
     def _curve_ms(self, batch: int, tokens: np.ndarray) -> np.ndarray:
         xs, ys = (np.asarray(values, dtype=np.float64) for values in self.curves[batch])
-        index = np.clip(np.searchsorted(xs, tokens), 1, xs.size - 1)
+        index = np.minimum(np.maximum(np.searchsorted(xs, tokens), 1), xs.size - 1)
         x0, x1, y0, y1 = xs[index - 1], xs[index], ys[index - 1], ys[index]
         return y0 + (tokens - x0) * (y1 - y0) / (x1 - x0)  # extrapolates at both ends
 
@@ -392,16 +392,16 @@ class AcceptanceModel:
         self.accepts = torch.full(shape, self.prior_accepts, dtype=torch.float64)
         self.trials = torch.full(shape, self.prior_trials, dtype=torch.float64)
 
-    def _bucket(self, source, depth, score) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Host index arrays (source class, depth, score bucket) of nodes of any shape;
-        source: the hybrid tree's tags (1 drafted, 2 retrieved, 3 both, context bit)."""
-        s = source_classes(source)
-        d = np.clip(host_array(depth).astype(np.int64), 1, self.max_depth) - 1
-        return s, d, score_buckets_of(score, self.score_buckets)
+    def _bucket(self, source, depth, score) -> np.ndarray:
+        """Host flat indices into the (source class, depth, score bucket) counts of nodes
+        of any shape; source: the hybrid tree's tags (1 drafted, 2 retrieved, 3 both,
+        context bit)."""
+        return class_index(source, depth, score, self.max_depth, self.score_buckets)
 
-    def _optimistic_at(self, buckets) -> np.ndarray:
+    def _optimistic_at(self, buckets: np.ndarray) -> np.ndarray:
         """:meth:`optimistic` at :meth:`_bucket`'s indices, on the host."""
-        accepts, trials = self.accepts.numpy()[buckets], self.trials.numpy()[buckets]
+        accepts = self.accepts.numpy().reshape(-1)[buckets]
+        trials = self.trials.numpy().reshape(-1)[buckets]
         mean = accepts / trials
         error = np.sqrt(mean * (1 - mean) / (trials + 1))
         return np.minimum(mean + self.explore * error, 1.0)
@@ -410,7 +410,8 @@ class AcceptanceModel:
         """P(accepted | parent accepted) for nodes of any shape (float64, on ``score``'s
         device)."""
         buckets = self._bucket(source, depth, score)
-        ratio = self.accepts.numpy()[buckets] / self.trials.numpy()[buckets]
+        ratio = (self.accepts.numpy().reshape(-1)[buckets]
+                 / self.trials.numpy().reshape(-1)[buckets])
         return torch.from_numpy(ratio).to(score.device)
 
     def optimistic(self, source, depth, score) -> torch.Tensor:
@@ -428,15 +429,12 @@ class AcceptanceModel:
         """Learn from one verified batch: every node whose parent was on the accepted
         path is a trial; it succeeds when the node is on the path too."""
         trial = host_array(parent_accepted).astype(bool)
-        accepted = host_array(accepted).astype(np.float64)[trial]
-        # one count per class (a bincount), added to the tensors' host views
-        flat = np.ravel_multi_index(tuple(part[trial] for part in
-                                          self._bucket(source, depth, score)),
-                                    self.trials.shape)
-        size = self.trials.numel()
-        trials, accepts = self.trials.numpy(), self.accepts.numpy()
-        trials += np.bincount(flat, minlength=size).reshape(trials.shape)
-        accepts += np.bincount(flat, weights=accepted, minlength=size).reshape(accepts.shape)
+        flat = self._bucket(source, depth, score)[trial]
+        accepted = host_array(accepted)[trial].astype(np.float64)
+        # one count per class (a bincount), added to the tensors' flat host views
+        trials, accepts = self.trials.numpy().reshape(-1), self.accepts.numpy().reshape(-1)
+        trials += np.bincount(flat, minlength=trials.size)
+        accepts += np.bincount(flat, weights=accepted, minlength=accepts.size)
 
     def seed(self, measured, evidence_trials: float = CALIBRATION_EVIDENCE_TRIALS) -> None:
         """Add what a calibration run measured (``measured``:
@@ -460,23 +458,40 @@ class AcceptanceModel:
                 accepts[source, depth] += weight * accepted / np.maximum(tried, 1.0)
 
 
+#: :func:`source_classes` of every tag value (bits 1, 2, 4 and 8), read with one index
+_SOURCE_CLASS_OF_TAG = np.array(
+    [SOURCE_NAMES.index("context") if tag & SOURCE_CONTEXT else min(max(tag, 1), 3) - 1
+     for tag in range(2 * SOURCE_CONTEXT)], dtype=np.int64)
+
+
+# np.clip is avoided below: on arrays of a few dozen entries its Python wrapper costs
+# several times what np.minimum / np.maximum do, and these run in every chain step
 def source_classes(source) -> np.ndarray:
     """Index into :data:`SOURCE_NAMES` of nodes tagged ``source`` (the hybrid tree's tags:
     1 drafted, 2 retrieved, 3 both, context bit; a copied node is ``context``)."""
-    source = host_array(source).astype(np.int64)
-    return np.where((source & SOURCE_CONTEXT) > 0, SOURCE_NAMES.index("context"),
-                    np.clip(source, 1, 3) - 1)
+    return _SOURCE_CLASS_OF_TAG[host_array(source)]
 
 
 def score_buckets_of(score, buckets: int) -> np.ndarray:
     """Which of ``buckets`` even buckets of [0, 1] each score falls in (host array)."""
-    b = (np.clip(host_array(score).astype(np.float64), 0, 1) * buckets).astype(np.int64)
-    return np.minimum(b, buckets - 1)
+    score = np.minimum(np.maximum(host_array(score).astype(np.float64), 0.0), 1.0)
+    return np.minimum((score * buckets).astype(np.int64), buckets - 1)
+
+
+def class_index(source, depth, score, max_depth: int, buckets: int) -> np.ndarray:
+    """Flat index into ``[len(SOURCE_NAMES), max_depth, buckets]`` counts of nodes of any
+    shape: source class, depth (1 to ``max_depth``; deeper nodes share the last) and score
+    bucket (:func:`score_buckets_of`)."""
+    depth = np.minimum(np.maximum(host_array(depth).astype(np.int64), 1), max_depth) - 1
+    return ((source_classes(source) * max_depth + depth) * buckets
+            + score_buckets_of(score, buckets))
 
 
 def host_array(values) -> np.ndarray:
     """A tensor (any device) or array as a host numpy array (a view for CPU tensors)."""
     if isinstance(values, torch.Tensor):
+        if values.device.type == "cpu" and not values.requires_grad:
+            return values.numpy()  # one call: detach() and cpu() are dispatches too
         return values.detach().cpu().numpy()
     return np.asarray(values)
 
@@ -512,9 +527,10 @@ def _path_probability(parents: np.ndarray, depths: np.ndarray, valid: np.ndarray
     prob[:, 0] = 1.0
     top = int(depths.max()) if depths.size else 0
     parent_index = np.maximum(parents, 0)
+    request = np.arange(prob.shape[0])[:, None]
     for depth in range(1, top + 1):
         level = valid & (depths == depth)
-        parent_prob = np.take_along_axis(prob, parent_index, axis=1)
+        parent_prob = prob[request, parent_index]
         prob = np.where(level, parent_prob * conditional, prob)
     return np.where(valid, prob, 0.0)
 
@@ -537,7 +553,7 @@ def _chain_path_probability(valid: np.ndarray, conditional: np.ndarray) -> np.nd
 @dataclass
 class Choice:
     keep: torch.Tensor  # [B, N] bool: nodes to verify (row 0, the root, always kept)
-    nodes_per_request: torch.Tensor  # [B]
+    nodes_per_request: torch.Tensor  # [B], on the host
     expected_tokens: float  # emitted tokens per step predicted for the choice
     step_ms: float  # predicted step time
 
@@ -575,7 +591,7 @@ def _choose_nodes(path_prob: np.ndarray, valid: np.ndarray, cost: CostModel,
     keep = keep.reshape(batch, rows)
     keep[:, 0] = True
     keep_tensor = torch.from_numpy(keep).to(device)
-    return Choice(keep=keep_tensor, nodes_per_request=keep_tensor[:, 1:].sum(1),
+    return Choice(keep=keep_tensor, nodes_per_request=torch.from_numpy(keep[:, 1:].sum(1)),
                   expected_tokens=float(expected[best]), step_ms=float(time[best]))
 
 
@@ -961,11 +977,13 @@ class TreeSizer:
         on_path = np.zeros((batch, rows + 1), dtype=bool)
         on_path[:, 0] = True
         accepted_rows = host_array(result.accepted_rows)
-        np.put_along_axis(on_path, np.where(accepted_rows >= 0, accepted_rows, rows), True,
-                          axis=1)
+        # fancy indexing, not numpy's *_along_axis helpers: their Python wrappers cost
+        # more than the indexing on trees this small
+        request = np.arange(batch)[:, None]
+        on_path[request, np.where(accepted_rows >= 0, accepted_rows, rows)] = True
         on_path = on_path[:, :rows]
         parents = host_array(tree.parents)
-        parent_on_path = np.take_along_axis(on_path, np.maximum(parents, 0), axis=1)
+        parent_on_path = on_path[request, np.maximum(parents, 0)]
         trial = host_array(tree.valid) & parent_on_path & (parents >= 0)
         self.acceptance_for(mode).observe(tree.source, tree.depths, self._score(tree, score),
                                           trial, on_path)

@@ -308,8 +308,7 @@ def tally_acceptance(records: list[dict]) -> AcceptanceTally:
     the engine's tree recording gives them (``parents``, ``depths``, ``source`` and
     ``score``, None when unscored, per row, row 0 the root; and ``accepted_rows``);
     depths and scores are bucketed as the acceptance model buckets them."""
-    from vllm_graft.core.budget import (SOURCE_NAMES, AcceptanceModel, score_buckets_of,
-                                        source_classes)
+    from vllm_graft.core.budget import SOURCE_NAMES, AcceptanceModel, class_index
     from vllm_graft.core.hybrid import UNKNOWN_SCORE
 
     max_depth, score_buckets = AcceptanceModel.max_depth, AcceptanceModel.score_buckets
@@ -324,11 +323,12 @@ def tally_acceptance(records: list[dict]) -> AcceptanceTally:
         tried = (parents >= 0) & on_path[np.maximum(parents, 0)]
         score = record.get("score")
         score = np.full(parents.size, UNKNOWN_SCORE) if score is None else np.asarray(score)
-        where = (source_classes(np.asarray(record["source"])[tried]),
-                 np.clip(np.asarray(record["depths"])[tried], 1, max_depth) - 1,
-                 score_buckets_of(score[tried], score_buckets))
-        np.add.at(trials, where, 1)
-        np.add.at(accepts, where, on_path[tried].astype(np.int64))
+        where = class_index(np.asarray(record["source"])[tried],
+                            np.asarray(record["depths"])[tried], score[tried], max_depth,
+                            score_buckets)
+        trials += np.bincount(where, minlength=trials.size).reshape(shape)
+        accepts += np.bincount(where, weights=on_path[tried],
+                               minlength=trials.size).astype(np.int64).reshape(shape)
     sources = {}
     for name, tried, accepted in zip(SOURCE_NAMES, trials, accepts):
         measured = np.flatnonzero(tried.sum(1))

@@ -351,20 +351,26 @@ def learnable_tokens(tree: HybridTree) -> torch.Tensor:
     return torch.where(tree.valid & (tree.source != SOURCE_PAD), tree.tokens, -1)
 
 
+#: the class :func:`accepted_by_source` counts a node of each tag value in (bits 1, 2, 4
+#: and 8): a context-copied node is ``context`` whatever else proposed it too
+_ACCEPTED_CLASS_OF_TAG = [
+    "context" if tag & SOURCE_CONTEXT else
+    {SOURCE_DRAFT: "draft", SOURCE_RETRIEVED: "retrieved", SOURCE_BOTH: "both",
+     SOURCE_PAD: "padding"}.get(tag) for tag in range(2 * SOURCE_CONTEXT)]
+
+
 def accepted_by_source(tree: HybridTree, result: AcceptanceResult) -> dict[str, int]:
     """How many accepted drafts came from the drafter, retrieval, both, the context or
     padding: one class per node, a context-copied node counting as ``context`` whatever
-    else proposed it too."""
-    rows = result.accepted_rows
-    source = tree.source.gather(1, rows.clamp(min=0)).long()
-    # context-copied nodes count as context whatever else proposed them; rows not
-    # accepted fall in a class of their own; one count read for every class
-    source = torch.where((source & SOURCE_CONTEXT) > 0, SOURCE_CONTEXT, source)
-    source = torch.where(rows >= 0, source, SOURCE_CONTEXT + 1)
-    counts = torch.bincount(source.flatten(), minlength=SOURCE_CONTEXT + 2).tolist()
-    return {"context": counts[SOURCE_CONTEXT], "draft": counts[SOURCE_DRAFT],
-            "retrieved": counts[SOURCE_RETRIEVED], "both": counts[SOURCE_BOTH],
-            "padding": counts[SOURCE_PAD]}
+    else proposed it too. Counted on the host over Python lists: a step's accepted paths
+    are a few dozen nodes, fewer than the tensor ops a batched count would take."""
+    counts = dict.fromkeys(("context", "draft", "retrieved", "both", "padding"), 0)
+    for tags, rows in zip(tree.source.tolist(), result.accepted_rows.tolist()):
+        for row in rows:
+            name = _ACCEPTED_CLASS_OF_TAG[tags[row]] if row >= 0 else None
+            if name is not None:
+                counts[name] += 1
+    return counts
 
 
 __all__ = ["BuildStats", "DraftTree", "GraftTreeBuilder", "accepted_by_source",
