@@ -50,6 +50,13 @@ class Method:
         return {"method": "graft", "model": head, "graft": graft}
 
 
+def _one_mode(name: str, mode: str, note: str) -> Method:
+    """Budget "auto" with the throughput guard held to one mode."""
+    return Method(name, "graft", graft={"variant": "graft", "budget": "auto",
+                                        "guard_modes": [mode]},
+                  uses_retrieval=mode != "plain", note=note)
+
+
 def methods(budget: int, chain_tokens: int = 5, dflash_block: int = 8) -> dict[str, Method]:
     return {
         "plain": Method("plain", "plain", note="no speculation"),
@@ -111,15 +118,13 @@ def methods(budget: int, chain_tokens: int = 5, dflash_block: int = 8) -> dict[s
                               note=f"Graft-TAIL on the DFlash drafter: the block's "
                                    f"confident prefix, the matrix's walk after it, "
                                    f"{dflash_block} tokens"),
-        "graft_plain": Method("graft_plain", "graft",
-                              graft={"variant": "graft", "budget": "auto",
-                                     "guard_modes": ["plain"]},
-                              note="diagnostic: Graft's runner with every step decoded "
-                                   "plainly (its fixed cost against plain)"),
-        "graft_chain": Method("graft_chain", "graft",
-                              graft={"variant": "graft", "budget": "auto",
-                                     "guard_modes": ["chain"]},
-                              uses_retrieval=True,
-                              note="copy chains only: context copies continued by the "
-                                   "successor matrix, no drafter"),
+        "graft_plain": _one_mode("graft_plain", "plain",
+                                 "diagnostic: Graft's runner with every step decoded "
+                                 "plainly (its fixed cost against plain)"),
+        "graft_chain": _one_mode("graft_chain", "chain",
+                                 "copy chains only: context copies continued by the "
+                                 "successor matrix, no drafter"),
+        "graft_tree": _one_mode("graft_tree", "tree",
+                                "diagnostic: a hybrid tree every step, sized by budget "
+                                "\"auto\" (its tree mode alone)"),
     }

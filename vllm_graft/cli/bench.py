@@ -23,8 +23,9 @@ from vllm_graft.bench.runner import config_default
 
 ALL_METHODS = ["plain", "eagle3", "ngram", "suffix", "dense_tree", "prune_only",
                "retrieval_only", "graft_no_context", "graft", "graft_chain", "graft_auto",
-               "tail", "tail_auto", "dflash", "tail_dflash", "graft_plain", "plain_again"]
-DIAGNOSTIC_METHODS = ["graft_plain", "plain_again"]  # run when named only
+               "graft_tree", "tail", "tail_auto", "dflash", "tail_dflash", "graft_plain",
+               "plain_again"]
+DIAGNOSTIC_METHODS = ["graft_plain", "graft_tree", "plain_again"]  # run when named only
 ALL_DATASETS = ["humaneval", "mtbench", "gsm8k", "code-edit", "essays-4k", "code-4k", "code-8k",
                 "code-16k"]
 COMMITTED_HEADS = Path(__file__).resolve().parents[2] / "assets" / "heads"
