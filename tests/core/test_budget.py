@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from vllm_graft.core.acceptance import SamplingBatch, accept_tree
-from vllm_graft.core.budget import (AcceptanceModel, CostModel, TreeSizer, choose_nodes,
-                                    path_probability)
+from vllm_graft.core.budget import (SOURCE_NAMES, AcceptanceModel, CostModel, TreeSizer,
+                                    choose_nodes, path_probability)
 from vllm_graft.core.config import StepMode
-from vllm_graft.core.hybrid import (SOURCE_CONTEXT, SOURCE_DRAFT, SOURCE_RETRIEVED, HybridTree,
-                                    trim_tree)
+from vllm_graft.core.hybrid import (SOURCE_BOTH, SOURCE_CONTEXT, SOURCE_DRAFT, SOURCE_RETRIEVED,
+                                    HybridTree, trim_tree)
 
 ROOT = Path(__file__).resolve().parents[2]
 H200_PROFILE = ROOT / "bench/results/gpu/2026-11-30-h200/verification_cost_cuda_graphs.json"
@@ -158,6 +158,28 @@ def test_acceptance_model_learns_per_source_and_depth():
     before = model.trials.clone()
     model.observe(source, depth, score, torch.zeros(n, dtype=torch.bool), accepted)
     assert torch.equal(model.trials, before)
+
+
+def test_every_node_is_counted_in_the_class_of_its_source_depth_and_score():
+    """The flat class index lays out (source class, depth, score bucket) as the counts'
+    dimensions: a copied node is ``context`` whatever else proposed it, depths past the
+    model's last share it, and each observation lands in its own cell."""
+    model = AcceptanceModel(max_depth=3, score_buckets=4)
+    tags = [SOURCE_DRAFT, SOURCE_RETRIEVED, SOURCE_DRAFT | SOURCE_RETRIEVED,
+            SOURCE_CONTEXT, SOURCE_CONTEXT | SOURCE_DRAFT, SOURCE_CONTEXT | SOURCE_BOTH]
+    classes = ["draft", "retrieved", "both", "context", "context", "context"]
+    depths = [1, 2, 3, 4, 9, 1]
+    scores = [0.0, 0.3, 0.5, 1.0, 0.26, 0.74]
+    source = torch.tensor(tags, dtype=torch.uint8)
+    flat = model._bucket(source, torch.tensor(depths), torch.tensor(scores))
+    assert [np.unravel_index(i, tuple(model.trials.shape)) for i in flat] == [
+        (SOURCE_NAMES.index(c), min(d, 3) - 1, b)
+        for c, d, b in zip(classes, depths, [0, 1, 2, 3, 1, 2])]
+    before = model.trials.clone()
+    model.observe(source, torch.tensor(depths), torch.tensor(scores),
+                  torch.ones(len(tags), dtype=torch.bool), torch.zeros(len(tags)))
+    assert (model.trials - before).sum() == len(tags)
+    assert (model.trials - before).view(-1)[torch.from_numpy(flat)].tolist() == [1.0] * 6
 
 
 def _tally(**sources):

@@ -398,21 +398,22 @@ class AcceptanceModel:
         context bit)."""
         return class_index(source, depth, score, self.max_depth, self.score_buckets)
 
+    def _rates_at(self, buckets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The measured odds and trials at :meth:`_bucket`'s indices, on the host."""
+        trials = self.trials.view(-1).numpy()[buckets]
+        return self.accepts.view(-1).numpy()[buckets] / trials, trials
+
     def _optimistic_at(self, buckets: np.ndarray) -> np.ndarray:
         """:meth:`optimistic` at :meth:`_bucket`'s indices, on the host."""
-        accepts = self.accepts.numpy().reshape(-1)[buckets]
-        trials = self.trials.numpy().reshape(-1)[buckets]
-        mean = accepts / trials
+        mean, trials = self._rates_at(buckets)
         error = np.sqrt(mean * (1 - mean) / (trials + 1))
         return np.minimum(mean + self.explore * error, 1.0)
 
     def conditional(self, source, depth, score) -> torch.Tensor:
         """P(accepted | parent accepted) for nodes of any shape (float64, on ``score``'s
         device)."""
-        buckets = self._bucket(source, depth, score)
-        ratio = (self.accepts.numpy().reshape(-1)[buckets]
-                 / self.trials.numpy().reshape(-1)[buckets])
-        return torch.from_numpy(ratio).to(score.device)
+        mean, _ = self._rates_at(self._bucket(source, depth, score))
+        return torch.from_numpy(mean).to(score.device)
 
     def optimistic(self, source, depth, score) -> torch.Tensor:
         """:meth:`conditional` plus ``explore`` standard errors of its estimate (at most
@@ -431,8 +432,9 @@ class AcceptanceModel:
         trial = host_array(parent_accepted).astype(bool)
         flat = self._bucket(source, depth, score)[trial]
         accepted = host_array(accepted)[trial].astype(np.float64)
-        # one count per class (a bincount), added to the tensors' flat host views
-        trials, accepts = self.trials.numpy().reshape(-1), self.accepts.numpy().reshape(-1)
+        # one count per class (a bincount), added to the tensors' flat host views (view,
+        # not reshape: a copy would silently drop the counts)
+        trials, accepts = self.trials.view(-1).numpy(), self.accepts.view(-1).numpy()
         trials += np.bincount(flat, minlength=trials.size)
         accepts += np.bincount(flat, weights=accepted, minlength=accepts.size)
 
@@ -469,7 +471,7 @@ _SOURCE_CLASS_OF_TAG = np.array(
 def source_classes(source) -> np.ndarray:
     """Index into :data:`SOURCE_NAMES` of nodes tagged ``source`` (the hybrid tree's tags:
     1 drafted, 2 retrieved, 3 both, context bit; a copied node is ``context``)."""
-    return _SOURCE_CLASS_OF_TAG[host_array(source)]
+    return _SOURCE_CLASS_OF_TAG[host_array(source).astype(np.intp)]
 
 
 def score_buckets_of(score, buckets: int) -> np.ndarray:
