@@ -416,6 +416,18 @@ class GraftTreeDrafting:
                     self.plain_steps.pop(req_id, None)
         return drafts
 
+    def pass_plainly(self, req_ids: list[str], scheduled) -> list[list[int]]:
+        """:meth:`propose_trees` for a plain step when the drafter follows none of the
+        ``scheduled`` requests: no drafts, and no drafter input to feed or defer, so the
+        step's settled rows are never read. A request seen for the first time still gets
+        its follow decision here (:meth:`follows`), as the catch-up would give it."""
+        self.last_build, self.last_chains, self.last_choice = None, None, None
+        self.ran_mode = StepMode.PLAIN
+        if self.settings.config.variant.drafts:
+            for req_id in scheduled:
+                self.follows(req_id)
+        return [[] for _ in req_ids]
+
     def _schedule(self, tree, rows: HostRows, t: int, req_id: str, batch_row: int,
                   drafts: list[list[int]], stage: int = -1,
                   confidence: torch.Tensor | None = None, chain: bool = False) -> int:

@@ -470,24 +470,39 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
     runner._graft_step = None
     start = device_clock(runner.device)
     proposer.forward_timer.take_seconds()  # spans of earlier steps (e.g. dummy runs)
-    settled = settled_rows(runner, scheduler_output, sampled_token_ids, step)
+    # a step that verified no tree settled one row per scheduled request: its rows are
+    # read only if this step's proposal needs them
+    settled = None
+    if step is not None and step.result is not None:
+        settled = settled_rows(runner, scheduler_output, sampled_token_ids, step)
     _observe_step(runner, scheduler_output, settled, step)  # before choosing the next
+    following = True
     if proposer.guard is not None:
         # every rank must draft (or not) alike: the first rank's timing decides
         requests = list(scheduler_output.num_scheduled_tokens)
         reach = proposer.guard.within_reach(len(requests), StepMode.TREE)
-        no_trees = () if proposer.would_follow_any(requests, reach) else (StepMode.TREE,)
-        mode = proposer.guard.choose(len(requests), no_trees)
+        following = proposer.would_follow_any(requests, reach)
+        mode = proposer.guard.choose(len(requests), () if following else (StepMode.TREE,))
         if (mode is StepMode.PLAIN and not proposer.guard.measuring
                 and proposer.scout is not None and proposer.scout.due()):
             stats.counts["chain_scout_looks"] += 1
+            if settled is None:
+                settled = settled_rows(runner, scheduler_output, sampled_token_ids, step)
             if proposer.scout_chains(runner, settled, proposer.guard.rate_of(
                     len(requests), StepMode.PLAIN)):
                 mode = StepMode.CHAIN
                 stats.counts["chain_scout_steps"] += 1
         proposer.mode, proposer.trees_in_reach = agree((mode, reach))
-    _decide_drafting(runner, settled)
-    drafts = proposer.propose_trees(runner, scheduler_output, settled, aux_hidden_states)
+    if proposer.mode is StepMode.PLAIN and not following:
+        # nothing to draft, and no drafter input to feed or keep
+        drafts = proposer.pass_plainly(runner.input_batch.req_ids,
+                                       scheduler_output.num_scheduled_tokens)
+    else:
+        if settled is None:
+            settled = settled_rows(runner, scheduler_output, sampled_token_ids, step)
+        _decide_drafting(runner, settled)
+        drafts = proposer.propose_trees(runner, scheduler_output, settled,
+                                        aux_hidden_states)
     stats.counts["chain_shadow_trials"] += proposer.shadow_trials
     proposer.shadow_trials = 0
     if proposer.guard is not None:
@@ -528,7 +543,7 @@ def propose_with_blocks(runner, sampled_token_ids, propose_blocks) -> list[list[
     return drafts
 
 
-def _observe_step(runner, scheduler_output, settled: list[SettledRows],
+def _observe_step(runner, scheduler_output, settled: list[SettledRows] | None,
                   step: GraftStep | None) -> None:
     """Time this engine step (from the last step's drafting to this one's) and count its
     emitted tokens and verified nodes, for the throughput guard and for the sizer's
@@ -546,22 +561,23 @@ def _observe_step(runner, scheduler_output, settled: list[SettledRows],
     now = time.perf_counter()
     last, runner._graft_step_clock = getattr(runner, "_graft_step_clock", None), now
     spec = scheduler_output.scheduled_spec_decode_tokens
-    prefill = any(count - len(spec.get(req_id, ())) > 1
-                  for req_id, count in scheduler_output.num_scheduled_tokens.items())
-    if last is None or prefill or not settled:
+    scheduled = scheduler_output.num_scheduled_tokens
+    prefill = any(count - len(spec.get(req_id, ())) > 1 for req_id, count in scheduled.items())
+    if last is None or prefill or not scheduled:
         return
     mode, seconds = proposer.ran_mode, now - last
-    tokens = sum(len(s.next_tokens) for s in settled)
+    # without settled rows (no tree verified) every scheduled request emitted one token
+    batch = len(scheduled) if settled is None else len(settled)
+    tokens = batch if settled is None else sum(len(s.next_tokens) for s in settled)
     if proposer.guard is not None:
-        proposer.guard.observe(mode, len(settled), tokens, seconds)
+        proposer.guard.observe(mode, batch, tokens, seconds)
     choice = proposer.last_choice  # the measured step's (proposals reset it later)
     if proposer.scout is not None and mode is StepMode.CHAIN and choice is not None:
-        proposer.scout.observe(choice.step_tokens(len(settled)), choice.step_ms, tokens,
-                               seconds)
+        proposer.scout.observe(choice.step_tokens(batch), choice.step_ms, tokens, seconds)
     if forward_ms is not None:
-        nodes = max(scheduler_output.total_num_scheduled_tokens - len(settled), 0)
+        nodes = max(scheduler_output.total_num_scheduled_tokens - batch, 0)
         cost = proposer.sizer.cost
-        cost.observe_step(mode, len(settled), nodes, seconds * 1e3, forward_ms)
+        cost.observe_step(mode, batch, nodes, seconds * 1e3, forward_ms)
         if cost.steps.observed % LOG_STEP_COSTS_EVERY == 0 and cost.steps.observed:
             logger.info("Graft: step costs besides the forward, learned over %d steps: %s",
                         cost.steps.observed, cost.steps.describe())
