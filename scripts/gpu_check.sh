@@ -44,9 +44,10 @@ fi
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 FAILED=0
 # Build with the system compiler, which links libstdc++ dynamically as torch does. The
-# GPU image's Python names a compiler (/opt/gcc) that links it statically: every error
-# message the ops format then segfaults (two libstdc++ copies disagree on the locale).
-if [ -x /usr/bin/g++ ] && [ -z "${CXX:-}" ]; then
+# GPU image names a compiler (/opt/gcc, in CC / CXX too) that links it statically: every
+# error message the ops format then segfaults (two libstdc++ copies disagree on the
+# locale). So the system compiler wins whenever there is one.
+if [ -x /usr/bin/g++ ]; then
   export CC=/usr/bin/gcc CXX=/usr/bin/g++
   export LDSHARED="/usr/bin/g++ -shared" LDCXXSHARED="/usr/bin/g++ -shared"
 fi
