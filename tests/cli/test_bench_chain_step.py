@@ -3,25 +3,20 @@ of its chains, and a short run writes a row per batch size."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.cli.helpers import script_module
 from vllm_graft.core.acceptance import greedy_chain_walk
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_chain_step.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_chain_step", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    with script_module("bench_chain_step") as module:
+        yield module
 
 
 def test_the_timed_result_is_what_the_chains_walk_to(bench):

@@ -3,21 +3,17 @@ from the end of the warm-up, and a heap that grows must show as growing."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "heap_trace.py"
+from tests.cli.helpers import script_module
 
 
 @pytest.fixture(scope="module")
 def heap_trace():
-    spec = importlib.util.spec_from_file_location("heap_trace", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    with script_module("heap_trace") as module:
+        yield module
 
 
 def trace(rounds: int, live_per_round: float, kept: float = 400.0) -> list[dict]:

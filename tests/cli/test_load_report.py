@@ -3,23 +3,15 @@ climb shows as a trend, the saw-tooth of periodic heap trims does not."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "load_test.py"
+from tests.cli.helpers import script_module
 
 
 @pytest.fixture(scope="module")
 def load_test():
-    spec = importlib.util.spec_from_file_location("load_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["load_test"] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("load_test", None)
+    with script_module("load_test") as module:
+        yield module
 
 
 def samples(mb_at, seconds: int = 600, every: int = 3) -> list[tuple[float, float]]:

@@ -353,8 +353,7 @@ class GraftTreeDrafting:
         """Run catch-up and tree drafting; returns drafts in persistent-batch order."""
         req_ids = runner.input_batch.req_ids
         drafts: list[list[int]] = [[] for _ in req_ids]
-        self.last_build, self.last_chains, self.last_choice = None, None, None
-        self.ran_mode = StepMode.PLAIN
+        self._start_proposal()
         if not settled:
             return drafts
         uses_drafter = self.settings.config.variant.drafts  # retrieval_only does not
@@ -416,13 +415,18 @@ class GraftTreeDrafting:
                     self.plain_steps.pop(req_id, None)
         return drafts
 
+    def _start_proposal(self) -> None:
+        """Forget the last step's build, chains and choice; a step drafts nothing until
+        its proposal says otherwise."""
+        self.last_build, self.last_chains, self.last_choice = None, None, None
+        self.ran_mode = StepMode.PLAIN
+
     def pass_plainly(self, req_ids: list[str], scheduled) -> list[list[int]]:
         """:meth:`propose_trees` for a plain step when the drafter follows none of the
         ``scheduled`` requests: no drafts, and no drafter input to feed or defer, so the
         step's settled rows are never read. A request seen for the first time still gets
         its follow decision here (:meth:`follows`), as the catch-up would give it."""
-        self.last_build, self.last_chains, self.last_choice = None, None, None
-        self.ran_mode = StepMode.PLAIN
+        self._start_proposal()
         if self.settings.config.variant.drafts:
             for req_id in scheduled:
                 self.follows(req_id)

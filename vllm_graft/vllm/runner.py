@@ -470,11 +470,18 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
     runner._graft_step = None
     start = device_clock(runner.device)
     proposer.forward_timer.take_seconds()  # spans of earlier steps (e.g. dummy runs)
+    settled: list[SettledRows] | None = None
+
+    def read_settled() -> list[SettledRows]:
+        nonlocal settled
+        if settled is None:
+            settled = settled_rows(runner, scheduler_output, sampled_token_ids, step)
+        return settled
+
     # a step that verified no tree settled one row per scheduled request: its rows are
     # read only if this step's proposal needs them
-    settled = None
     if step is not None and step.result is not None:
-        settled = settled_rows(runner, scheduler_output, sampled_token_ids, step)
+        read_settled()
     _observe_step(runner, scheduler_output, settled, step)  # before choosing the next
     following = True
     if proposer.guard is not None:
@@ -486,9 +493,7 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
         if (mode is StepMode.PLAIN and not proposer.guard.measuring
                 and proposer.scout is not None and proposer.scout.due()):
             stats.counts["chain_scout_looks"] += 1
-            if settled is None:
-                settled = settled_rows(runner, scheduler_output, sampled_token_ids, step)
-            if proposer.scout_chains(runner, settled, proposer.guard.rate_of(
+            if proposer.scout_chains(runner, read_settled(), proposer.guard.rate_of(
                     len(requests), StepMode.PLAIN)):
                 mode = StepMode.CHAIN
                 stats.counts["chain_scout_steps"] += 1
@@ -498,10 +503,8 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
         drafts = proposer.pass_plainly(runner.input_batch.req_ids,
                                        scheduler_output.num_scheduled_tokens)
     else:
-        if settled is None:
-            settled = settled_rows(runner, scheduler_output, sampled_token_ids, step)
-        _decide_drafting(runner, settled)
-        drafts = proposer.propose_trees(runner, scheduler_output, settled,
+        _decide_drafting(runner, read_settled())
+        drafts = proposer.propose_trees(runner, scheduler_output, read_settled(),
                                         aux_hidden_states)
     stats.counts["chain_shadow_trials"] += proposer.shadow_trials
     proposer.shadow_trials = 0
