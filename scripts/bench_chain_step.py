@@ -1,15 +1,16 @@
 """Host cost of a copy-chain step's sizing and learning, with the CPU caches cold.
 
-A chain step's work besides the target's forward is a few hundred small numpy and
-tensor calls on trees of a few dozen nodes. Right after a forward, which streams the
-model's weights through the caches, each such call costs several times what it costs
-in a warm loop, so this script evicts the caches (by writing a buffer larger than the
-last-level cache) before every timed call, as a forward would. Timed per batch size,
-median over ``--repeats``: cutting the batch's chains (``TreeSizer.trim`` in chain
-mode), teaching the chain acceptance model from a verified step (``TreeSizer.observe``),
-the greedy walk of the chains (``greedy_chain_walk``) and counting accepted tokens by
-source (``accepted_by_source``). The chains are 9 rows (root, 5 copied tokens, 3 walked
-by the successor matrix), as budget "auto" builds them; accepted lengths are random.
+A chain step's work besides the target's forward is small list, numpy and tensor work
+on chains of a few nodes. Right after a forward, which streams the model's weights
+through the caches, each call costs several times what it costs in a warm loop, so
+this script evicts the caches (by writing a buffer larger than the last-level cache)
+before every timed call, as a forward would. Timed per batch size, median over
+``--repeats``: cutting the batch's chains (``TreeSizer.trim_chains``), the tensors of
+the cut chains handed to the engine (``HostChains.to_tree``), the greedy walk of the
+verified chains (``greedy_chain_walk_lists``), teaching the chain acceptance model
+(``TreeSizer.observe_chains``) and counting accepted tokens by source
+(``count_accepted_sources``). The chains are 9 rows (root, 5 copied tokens, 3 walked by
+the successor matrix), as budget "auto" builds them; accepted lengths are random.
 
     .venv/bin/python scripts/bench_chain_step.py                 # batch 1 / 8 / 32
     .venv/bin/python scripts/bench_chain_step.py --batch 1 --json out.json
@@ -19,47 +20,45 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 
 import numpy as np
-import torch
 
-from vllm_graft.core.acceptance import AcceptanceResult, greedy_chain_walk
+from vllm_graft.core.acceptance import greedy_chain_walk_lists
 from vllm_graft.core.budget import CostModel, TreeSizer
-from vllm_graft.core.config import StepMode
-from vllm_graft.core.graft import accepted_by_source
-from vllm_graft.core.hybrid import SOURCE_CONTEXT, SOURCE_RETRIEVED, HybridTree
+from vllm_graft.core.chain import HostChains
+from vllm_graft.core.graft import count_accepted_sources
+from vllm_graft.core.hybrid import SOURCE_CONTEXT, SOURCE_RETRIEVED, UNKNOWN_SCORE
 
 CHAIN_ROWS = 9
 COPIED = 5
+VOCAB = 49152
 
 
-def chains(batch: int, generator: torch.Generator) -> HybridTree:
-    """``batch`` full chains: root, copied tokens, then the matrix's walk."""
-    tokens = torch.randint(0, 49152, (batch, CHAIN_ROWS), generator=generator)
-    rows = torch.arange(CHAIN_ROWS)
-    source = torch.full((batch, CHAIN_ROWS), SOURCE_RETRIEVED, dtype=torch.uint8)
-    source[:, 1:1 + COPIED] = SOURCE_CONTEXT
-    source[:, 0] = 0
-    valid = torch.ones(batch, CHAIN_ROWS, dtype=torch.bool)
-    return HybridTree(tokens=tokens, parents=(rows - 1).repeat(batch, 1),
-                      depths=rows.repeat(batch, 1), valid=valid, source=source,
-                      num_nodes=valid.sum(1),
-                      score=torch.rand(batch, CHAIN_ROWS, generator=generator))
+def chains(batch: int, rng: random.Random) -> HostChains:
+    """``batch`` full chains: root, copied tokens (scored by their match), then the
+    matrix's walk."""
+    walked = CHAIN_ROWS - 1 - COPIED
+    tokens = [[rng.randrange(VOCAB) for _ in range(CHAIN_ROWS)] for _ in range(batch)]
+    source = [[0] + [SOURCE_CONTEXT] * COPIED + [SOURCE_RETRIEVED] * walked] * batch
+    score = [[UNKNOWN_SCORE] + [rng.choice([0.0, 0.25, 0.5, 0.75, 1.0])] * COPIED
+             + [UNKNOWN_SCORE] * walked for _ in range(batch)]
+    return HostChains(tokens, source, score)
 
 
-def verified(tree: HybridTree, generator: torch.Generator) -> tuple[AcceptanceResult,
-                                                                     torch.Tensor]:
-    """A random accepted prefix of every chain, and target tokens that produce it."""
-    batch = tree.tokens.shape[0]
-    accepted = torch.randint(0, 5, (batch,), generator=generator)
-    steps = torch.arange(CHAIN_ROWS - 1)
-    result = AcceptanceResult(torch.where(steps < accepted[:, None], steps + 1, -1),
-                              torch.zeros(batch, CHAIN_ROWS, dtype=torch.long), accepted)
-    row_tokens = torch.cat([tree.tokens[:, 1:], tree.tokens[:, :1]], dim=1)
-    row_tokens[torch.arange(batch), accepted] = -2  # the first mismatch
-    return result, row_tokens
+def verified(host: HostChains, rng: random.Random) -> tuple[list[int], list[int]]:
+    """A random accepted prefix of every chain, and the target's tokens at every row
+    (each request's rows one after another) that produce it."""
+    accepted, row_tokens = [], []
+    for tokens in host.tokens:
+        count = rng.randrange(5)
+        rows = tokens[1:] + [tokens[0]]  # the choice after each row: the next node
+        rows[count] = -2  # the first mismatch
+        accepted.append(count)
+        row_tokens += rows
+    return accepted, row_tokens
 
 
 def cold_median_us(fn, repeats: int, evict: np.ndarray) -> float:
@@ -80,20 +79,25 @@ def main() -> None:
                         help="buffer written before each call (above the last-level cache)")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
-    generator = torch.Generator().manual_seed(0)
+    rng = random.Random(0)
     evict = np.zeros(args.evict_mib << 20, dtype=np.uint8)
     cost = CostModel(curves={1: ([1.0, 16.0, 64.0], [18.0, 25.0, 60.0]),
                              32: ([32.0, 128.0, 512.0], [45.0, 60.0, 150.0])})
     rows = []
     for batch in args.batch:
         sizer = TreeSizer(cost)
-        tree = chains(batch, generator)
-        result, row_tokens = verified(tree, generator)
+        host = chains(batch, rng)
+        accepted, row_tokens = verified(host, rng)
+        drafts = [tokens[1:] for tokens in host.tokens]
+        accepted_rows = [list(range(1, n + 1)) + [-1] * (CHAIN_ROWS - 1 - n) for n in accepted]
+        lessons = [(source[1:], score[1:], n, 0)
+                   for source, score, n in zip(host.source, host.score, accepted)]
         timed = {
-            "trim_us": lambda: sizer.trim(tree, mode=StepMode.CHAIN),
-            "observe_us": lambda: sizer.observe(tree, result, mode=StepMode.CHAIN),
-            "walk_us": lambda: greedy_chain_walk(tree, row_tokens),
-            "by_source_us": lambda: accepted_by_source(tree, result),
+            "trim_us": lambda: sizer.trim_chains(host),
+            "to_tree_us": lambda: host.to_tree(),
+            "walk_us": lambda: greedy_chain_walk_lists(drafts, row_tokens),
+            "observe_us": lambda: sizer.observe_chains(lessons),
+            "by_source_us": lambda: count_accepted_sources(host.source, accepted_rows),
         }
         row = {"batch": batch}
         row.update({name: round(cold_median_us(fn, args.repeats, evict), 1)

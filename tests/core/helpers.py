@@ -54,3 +54,10 @@ def reference_trie_merge(root: int, parts: list[tuple[list[int], list[int], int]
             else:
                 placed.append(None)
     return [tuple(r) for r in rows]
+
+
+def copied_to_tensor(copied: list[list[int]], length: int) -> torch.Tensor:
+    """``[B, length]`` int64, what :func:`vllm_graft.core.chain.build_chains` takes: each
+    copied continuation cut to ``length``, padded with -1."""
+    rows = [tokens[:length] + [-1] * (length - min(len(tokens), length)) for tokens in copied]
+    return torch.tensor(rows, dtype=torch.int64).reshape(len(copied), length)

@@ -245,8 +245,10 @@ def test_shape_mismatch_is_refused():
 def test_greedy_chain_walk_equals_the_tree_walk_on_chains(seed):
     """Chains (copy chains, Graft-TAIL, bare roots) are accepted with a running
     product over their rows; it must give exactly what the general walk gives."""
-    from vllm_graft.core.acceptance import greedy_chain_walk, greedy_walk
-    from vllm_graft.core.chain import build_chains, copied_to_tensor
+    from vllm_graft.core.acceptance import (greedy_chain_walk, greedy_chain_walk_lists,
+                                            greedy_walk)
+    from tests.core.helpers import copied_to_tensor
+    from vllm_graft.core.chain import build_chains
     from vllm_graft.core.successor import SuccessorMatrix
 
     vocab, batch, length = 10, 64, 7
@@ -269,5 +271,10 @@ def test_greedy_chain_walk_equals_the_tree_walk_on_chains(seed):
     got = greedy_chain_walk(chains, row_tokens)
     for field in ("accepted_rows", "output_tokens", "num_accepted"):
         assert torch.equal(getattr(got, field), getattr(want, field)), field
+    # the host walk of a copy-chain step: each request's rows one after another
+    lengths = chains.num_nodes.tolist()
+    drafts = [chains.tokens[b, 1:n].tolist() for b, n in enumerate(lengths)]
+    flat_rows = [t for b, n in enumerate(lengths) for t in row_tokens[b, :n].tolist()]
+    assert greedy_chain_walk_lists(drafts, flat_rows) == want.num_accepted.tolist()
     accepted = want.num_accepted.tolist()
     assert accepted[0] == 0 and max(accepted) >= 3 and min(accepted[1:]) == 0

@@ -684,26 +684,27 @@ def test_the_chain_scout_never_replaces_a_plain_refresh():
     assert guard.steps - guard.stats[(batch, plain)].step <= guard.plain_refresh + 1
 
 
-def test_copy_outcomes_score_chains_as_a_greedy_verification_would():
+def test_copied_prefix_scores_chains_as_a_greedy_verification_would():
     """A chain scored against the tokens decoding emitted at its positions accepts the
     prefix a greedy walk accepts (:func:`vllm_graft.core.acceptance.greedy_chain_walk`'s
     rule): every node up to the first mismatch is a trial, the matched ones accepted."""
-    from vllm_graft.core.budget import copy_outcomes
+    from vllm_graft.core.budget import copied_prefix
 
-    proposed = torch.tensor([[5, 6, 7, 8], [5, 9, 7, -1], [1, 2, -1, -1]])
-    emitted = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [3, 2, 4, -1]])
-    trial, accepted = copy_outcomes(proposed, emitted)
-    assert trial.tolist() == [[True] * 4, [True, True, False, False],
-                              [True, False, False, False]]
-    assert accepted.tolist() == [[True] * 4, [True, False, False, False], [False] * 4]
+    proposed = [[5, 6, 7, 8], [5, 9, 7], [1, 2]]
+    emitted = [[5, 6, 7, 8], [5, 6, 7], [3, 2]]
+    matched = [copied_prefix(p, e) for p, e in zip(proposed, emitted)]
+    assert matched == [4, 1, 0]
     model = AcceptanceModel(prior_accepts=0.0, prior_trials=0.0)
-    depths = torch.arange(1, 5).expand(3, 4)
-    score = torch.full((3, 4), 0.9, dtype=torch.float64)
-    source = torch.full((3, 4), SOURCE_CONTEXT, dtype=torch.uint8)
-    model.observe(source, depths, score, trial, accepted)
+    trials = model.observe_chains([([SOURCE_CONTEXT] * len(p), [0.9] * len(p), m, 0)
+                                   for p, m in zip(proposed, matched)])
+    assert trials == 4 + 2 + 1
     # depth 1: three trials, two accepted; depth 2: two trials, one accepted
     assert model.trials[3, :2, 3].tolist() == [3.0, 2.0]
     assert model.accepts[3, :2, 3].tolist() == [2.0, 1.0]
+    # nodes a chain step verified taught the model then: they are skipped
+    again = AcceptanceModel(prior_accepts=0.0, prior_trials=0.0)
+    assert again.observe_chains([([SOURCE_CONTEXT] * 4, None, 4, 3)]) == 1
+    assert again.trials.sum() == 1.0 and again.trials[3, 3].sum() == 1.0
 
 
 def test_chain_scout_looks_every_few_plain_steps_and_at_each_while_chains_promise():
@@ -801,3 +802,71 @@ def test_cost_curve_is_non_decreasing_and_learns_its_shape_where_steps_run():
     assert got == pytest.approx([57.0, 63.0, 64.0], rel=0.05)
     ms = cost.curves[1][1]
     assert all(b >= a for a, b in zip(ms, ms[1:]))
+
+
+def test_chains_observed_as_lists_teach_what_their_tensors_teach():
+    """The chain step's host-list lesson (:meth:`TreeSizer.observe_chains`) adds the same
+    counts, cell for cell, as :meth:`TreeSizer.observe` on the same chains as a batch
+    tree: random chain lengths, sources, scores (some unknown) and accepted prefixes."""
+    from vllm_graft.core.acceptance import AcceptanceResult
+
+    generator = torch.Generator().manual_seed(0)
+    tags = torch.tensor([SOURCE_RETRIEVED, SOURCE_CONTEXT, SOURCE_DRAFT, SOURCE_BOTH,
+                         SOURCE_CONTEXT | SOURCE_RETRIEVED])
+    for trial in range(200):
+        batch = int(torch.randint(1, 6, (1,), generator=generator))
+        rows = int(torch.randint(1, 13, (1,), generator=generator))
+        lengths = torch.randint(0, rows, (batch,), generator=generator)  # nodes after root
+        index = torch.arange(rows)
+        valid = index <= lengths.unsqueeze(1)
+        source = tags[torch.randint(0, len(tags), (batch, rows), generator=generator)]
+        source = torch.where(valid & (index > 0), source, 0).to(torch.uint8)
+        scored = trial % 3 != 0
+        score = torch.rand(batch, rows, generator=generator) * 1.2 - 0.1 if scored else None
+        accepted = (torch.rand(batch, generator=generator) * (lengths + 1)).long()
+        steps = torch.arange(max(rows - 1, 0))
+        result = AcceptanceResult(
+            accepted_rows=torch.where(steps < accepted.unsqueeze(1), steps + 1, -1),
+            output_tokens=torch.zeros(batch, rows, dtype=torch.long), num_accepted=accepted)
+        tree = HybridTree(tokens=torch.where(valid, 7, -1), parents=torch.where(valid, index - 1, -1),
+                          depths=torch.where(valid, index, 0), valid=valid, source=source,
+                          num_nodes=valid.sum(1), score=score)
+        by_tensors, by_lists = (TreeSizer(CostModel({1: ([1.0, 64.0], [1.0, 2.0])}))
+                                for _ in range(2))
+        by_tensors.observe(tree, result, mode=StepMode.CHAIN)
+        by_lists.observe_chains(
+            [(source[b, 1:lengths[b] + 1].tolist(),
+              None if score is None else score[b, 1:lengths[b] + 1].tolist(),
+              int(accepted[b]), 0) for b in range(batch)], mode=StepMode.CHAIN)
+        for name in ("trials", "accepts"):
+            assert torch.equal(getattr(by_tensors.chain_acceptance, name),
+                               getattr(by_lists.chain_acceptance, name)), (trial, name)
+
+
+def test_the_small_count_choice_is_the_arrays_choice_to_the_last_bit():
+    """A chain step's few candidates are counted in Python, a tree step's many with
+    numpy; on random curves (one or several batch sizes, integer or fractional token
+    points), learned step costs and candidate odds both give the same count, expected
+    tokens and step time."""
+    import random
+
+    from vllm_graft.core.budget import _best_count_arrays, _best_count_small
+
+    rng = random.Random(3)
+    for case in range(300):
+        curves = {}
+        for size in rng.sample([1, 2, 4, 8, 16, 32], rng.randint(1, 3)):
+            points = sorted(rng.sample(range(1, 200), rng.randint(2, 6)))
+            tokens = [float(p) for p in points] if case % 2 else points
+            ms = sorted(rng.uniform(5.0, 60.0) for _ in points)
+            curves[size] = (tokens, ms)
+        cost = CostModel(curves, overhead_ms=rng.uniform(0, 5), per_node_ms=rng.uniform(0, 0.5))
+        mode = rng.choice([StepMode.CHAIN, StepMode.TREE])
+        for _ in range(rng.randint(0, 12)):
+            cost.observe_step(rng.choice([mode, StepMode.PLAIN]), rng.randint(1, 40),
+                              rng.randint(0, 30), rng.uniform(10, 80), rng.uniform(5, 50))
+        batch = rng.randint(1, 40)
+        prob = sorted((rng.random() ** rng.choice([1, 4]) for _ in range(rng.randint(0, 64))),
+                      reverse=True)
+        assert _best_count_small(prob, batch, cost, mode) == \
+            _best_count_arrays(np.array(prob), batch, cost, mode), case

@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from vllm_graft.core.chain import build_chains, copied_to_tensor
+from tests.core.helpers import copied_to_tensor
+from vllm_graft.core.chain import build_chains
 from vllm_graft.core.config import StepMode
 from vllm_graft.core.context import ContextIndex, RecentOutputsIndex
 from vllm_graft.core.hybrid import SOURCE_CONTEXT, SOURCE_RETRIEVED
@@ -128,53 +129,6 @@ def test_the_sizer_cuts_chains_where_verifying_them_costs():
     assert cut.parents[0, :n].tolist() == list(range(-1, n - 1))  # still a chain
 
 
-def test_the_chain_sizing_path_matches_the_general_one():
-    """A chain step sizes its chains with a running product and cuts them in place
-    (:func:`chain_path_probability`, :func:`trim_chains`); on random chains, scores,
-    acceptance counts and cost curves that is exactly the general path's choice and
-    tree (:func:`path_probability`, :func:`trim_tree`)."""
-    from dataclasses import fields
-
-    from vllm_graft.core.budget import (AcceptanceModel, CostModel, TreeSizer,
-                                        chain_path_probability, choose_nodes,
-                                        path_probability)
-    from vllm_graft.core.hybrid import trim_chains, trim_tree
-
-    rng = random.Random(1)
-    generator = torch.Generator().manual_seed(1)
-    cut_somewhere = 0
-    for _ in range(60):
-        pairs = {rng.randrange(VOCAB): rng.randrange(VOCAB) for _ in range(40)}
-        batch, length = rng.randint(1, 8), rng.randint(1, 10)
-        copied = [[rng.randrange(VOCAB) for _ in range(rng.randint(0, 6))]
-                  for _ in range(batch)]
-        chains = build_chains(torch.tensor([rng.randrange(VOCAB) for _ in range(batch)]),
-                              copied_to_tensor(copied, length), matrix_with(pairs), length,
-                              rng.choice([None, 1, 3]))
-        chains = chains.with_score(torch.rand(chains.tokens.shape, generator=generator,
-                                              dtype=torch.float64))
-        acceptance = AcceptanceModel(explore=rng.choice([0.0, 1.0]))
-        acceptance.accepts += torch.rand(acceptance.accepts.shape, generator=generator) * 20
-        acceptance.trials += acceptance.accepts + torch.rand(acceptance.trials.shape,
-                                                             generator=generator) * 20
-        slope = rng.uniform(0.0, 3.0)
-        cost = CostModel(curves={1: ([1.0, 8.0, 64.0], [10.0, 10.0 + slope, 10.0 + 9 * slope])})
-        sizer = TreeSizer(cost, chain_acceptance=acceptance)
-
-        conditional = acceptance.optimistic(chains.source, chains.depths, chains.score)
-        general = path_probability(chains.parents, chains.depths, chains.valid, conditional)
-        assert torch.equal(chain_path_probability(chains.valid, conditional), general)
-        choice = choose_nodes(general, chains.valid, cost, mode=StepMode.CHAIN)
-        want = trim_tree(chains, choice.keep.clone())
-        got, got_choice = sizer.trim(chains, mode=StepMode.CHAIN)
-        assert torch.equal(got_choice.keep, choice.keep)
-        for field in fields(want):
-            assert torch.equal(getattr(got, field.name), getattr(want, field.name)), field.name
-        assert torch.equal(trim_chains(chains, choice.keep.clone()).ancestor, want.ancestor)
-        cut_somewhere += bool((got.num_nodes < chains.num_nodes).any())
-    assert 10 < cut_somewhere < 60  # the cases cut chains, and not always
-
-
 def test_best_match_reports_the_match_length_and_its_score_bucket():
     from vllm_graft.core.budget import AcceptanceModel
     from vllm_graft.core.context import match_score
@@ -266,3 +220,65 @@ def test_trees_do_not_teach_the_chain_sizer():
     depth, score = torch.ones(1), torch.full((1,), 0.5)
     assert float(sizer.acceptance.conditional(retrieved, depth, score)) < 0.01
     assert float(sizer.chain_acceptance.conditional(retrieved, depth, score)) > 0.95
+
+
+def test_host_chains_walk_score_and_cut_as_the_tensor_path_does():
+    """A copy-chain step builds and sizes its chains as host lists
+    (:func:`walk_chains`, :meth:`TreeSizer.trim_chains`); on random contexts, matrices
+    (shared or one partition per request), match scores, acceptance counts and cost
+    curves that is exactly the tensor path's chains, choice and cut
+    (:func:`build_chains`, :func:`context_scores`, :meth:`TreeSizer.trim`)."""
+    from vllm_graft.core.budget import AcceptanceModel, CostModel, TreeSizer, context_scores
+    from vllm_graft.core.chain import walk_chains
+    from vllm_graft.core.context import match_score
+
+    rng = random.Random(2)
+    generator = torch.Generator().manual_seed(2)
+    cut_somewhere = kept_some = 0
+    for case in range(80):
+        pairs = {rng.randrange(VOCAB): rng.randrange(VOCAB) for _ in range(40)}
+        batch, length = rng.randint(1, 8), rng.randint(0, 10)
+        max_walk = rng.choice([None, 0, 1, 3])
+        roots = [rng.randrange(VOCAB) for _ in range(batch)]
+        copied = [[rng.randrange(VOCAB) for _ in range(rng.randint(0, 6))]
+                  for _ in range(batch)]
+        matrix = matrix_with(pairs)
+        if case % 4 == 0:  # isolated requests: each reads its own partition
+            matrix.resize_partitions_(3)
+            matrix.table[VOCAB:] = torch.randint(-1, VOCAB, (2 * VOCAB, 4), generator=generator,
+                                                 dtype=torch.int32)
+            matrix = matrix.for_batch(torch.randint(0, 3, (batch,), generator=generator))
+        scores = [match_score(rng.randint(0, 9), 2) for _ in range(batch)]
+
+        want = build_chains(torch.tensor(roots), copied_to_tensor(copied, length), matrix,
+                            length, max_walk)
+        want = want.with_score(context_scores(want.source, torch.tensor(scores)))
+        got = walk_chains(roots, copied, matrix, length, max_walk, copied_scores=scores)
+        for b in range(batch):
+            n = int(want.num_nodes[b])
+            assert got.tokens[b] == want.tokens[b, :n].tolist(), case
+            assert got.source[b] == want.source[b, :n].tolist(), case
+            assert got.score[b][1:] == want.score[b, 1:n].tolist(), case
+
+        acceptance = AcceptanceModel(explore=rng.choice([0.0, 1.0]))
+        acceptance.accepts += torch.rand(acceptance.accepts.shape, generator=generator) * 20
+        acceptance.trials += acceptance.accepts + torch.rand(acceptance.trials.shape,
+                                                             generator=generator) * 20
+        slope = rng.uniform(0.0, 3.0)
+        cost = CostModel(curves={1: ([1.0, 8.0, 64.0], [10.0, 10.0 + slope, 10.0 + 9 * slope])})
+        sizer = TreeSizer(cost, chain_acceptance=acceptance)
+        want_cut, want_choice = sizer.trim(want, mode=StepMode.CHAIN)
+        got_cut, got_choice = sizer.trim_chains(got)
+        assert got_choice.nodes_per_request.tolist() == want_choice.nodes_per_request.tolist()
+        assert (got_choice.expected_tokens, got_choice.step_ms) == \
+            (want_choice.expected_tokens, want_choice.step_ms), case
+        tree = got_cut.to_tree()
+        rows = min(tree.tokens.shape[1], want_cut.tokens.shape[1])
+        for name in ("tokens", "parents", "depths", "valid", "source"):
+            assert torch.equal(getattr(tree, name)[:, :rows],
+                               getattr(want_cut, name)[:, :rows]), (case, name)
+        assert torch.equal(tree.num_nodes, want_cut.num_nodes)
+        assert not want_cut.valid[:, rows:].any()
+        cut_somewhere += bool((want_cut.num_nodes < want.num_nodes).any())
+        kept_some += bool((want_cut.num_nodes > 1).any())
+    assert 10 < cut_somewhere < 80 and kept_some > 10  # the cases cut, and not always

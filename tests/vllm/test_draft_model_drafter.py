@@ -56,21 +56,30 @@ def install_alternating_guard(worker) -> None:
     worker.model_runner.drafter.guard = AlternatingGuard()
 
 
+def perfect_drafter_under(tiny_models, install, read=None):
+    """Greedy outputs and counters of chain-shaped trees (budget 8, depth 7) from the
+    target as its own draft model, under the guard stand-in ``install`` puts in place;
+    and what the worker function ``read`` returns afterwards (None without one)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    spec = graft_spec(tiny_models.target, drafter="draft_model", variant="dense_tree",
+                      top_k=1, budget=8)
+    with running_llm(tiny_models.target, spec) as llm:
+        llm.collective_rpc(install)
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        metrics = spec_metrics(llm)
+        seen = None if read is None else llm.collective_rpc(read)[0]
+    return [list(o.outputs[0].token_ids) for o in outputs], metrics, seen
+
+
 def test_deferred_drafter_inputs_keep_a_perfect_drafter_perfect(tiny_models, plain_outputs):
     """While the guard decodes plainly the drafter is not run; the positions it missed
     are fed before the next speculative step's. Were any of them lost, the drafter's
     cache would have holes and this perfect drafter would stop being accepted to full
     depth; output stays identical either way."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    chain = graft_spec(tiny_models.target, drafter="draft_model", variant="dense_tree",
-                       top_k=1, budget=8)
-    with running_llm(tiny_models.target, chain) as llm:
-        llm.collective_rpc(install_alternating_guard)
-        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-        metrics = spec_metrics(llm)
-    assert [list(o.outputs[0].token_ids) for o in outputs] == plain_outputs
+    outputs, metrics, _ = perfect_drafter_under(tiny_models, install_alternating_guard)
+    assert outputs == plain_outputs
     assert metrics["graft_guard_plain_steps"] > metrics["graft_guard_tree_steps"] > 0
     assert mean_accepted(metrics) > 6.0, metrics  # every tree still accepted to depth 7
 
@@ -140,3 +149,49 @@ def test_a_perfect_drafter_keeps_whole_tail_chains(tiny_models, plain_outputs):
     assert [list(o.outputs[0].token_ids) for o in outputs] == plain_outputs
     assert mean_accepted(metrics) > 6.0, metrics  # 6 drafts + the bonus token, nearly always
     assert metrics["graft_retrieved_nodes"] == 0
+
+
+class ChainThenTreeGuard(AlternatingGuard):
+    """Three copy-chain steps, then two tree steps."""
+
+    def choose(self, batch: int, unavailable=()):
+        from vllm_graft.core.config import StepMode
+
+        self.steps += 1
+        return StepMode.TREE if self.steps % 5 >= 3 else StepMode.CHAIN
+
+
+def install_chain_then_tree_guard(worker) -> None:
+    """The guard above, and a record of each drafter catch-up forward: the step's mode
+    and whether every request it fed brought a decoding step's rows."""
+    drafter = worker.model_runner.drafter
+    drafter.guard = ChainThenTreeGuard()
+    drafter.feeds_seen = []
+    feed = drafter._feed
+
+    def recording_feed(runner, settled, inputs):
+        drafter.feeds_seen.append((drafter.mode.value, all(s.decoding for s in settled)))
+        return feed(runner, settled, inputs)
+
+    drafter._feed = recording_feed
+
+
+def feeds_seen(worker) -> list:
+    return worker.model_runner.drafter.feeds_seen
+
+
+def test_chain_steps_defer_their_accepted_rows_to_the_next_tree(tiny_models, plain_outputs):
+    """A copy chain step runs no drafter forward, however many of its nodes were
+    accepted: their rows wait with the plain steps' and are fed before the next tree's.
+    The perfect drafter is still accepted to full depth on the tree steps, so none of
+    the deferred positions was lost; output stays identical."""
+    outputs, metrics, feeds = perfect_drafter_under(tiny_models, install_chain_then_tree_guard,
+                                                    feeds_seen)
+    assert outputs == plain_outputs
+    assert metrics["graft_chain_nodes"] > 0 and metrics["graft_guard_tree_steps"] > 0
+    accepted_on_chains = metrics["graft_accepted_retrieved"] + metrics.get(
+        "graft_accepted_context", 0)
+    assert accepted_on_chains > 0, metrics  # chain steps that settled several rows
+    assert feeds and all(mode == "tree" for mode, decoding in feeds if decoding), feeds
+    tree_accepted = metrics["graft_accepted_draft"] + metrics.get("graft_accepted_both", 0)
+    assert tree_accepted / metrics["graft_guard_tree_steps"] > 6.0, metrics

@@ -214,6 +214,22 @@ def greedy_chain_walk(tree: HybridTree, row_tokens: torch.Tensor) -> AcceptanceR
     return AcceptanceResult(accepted_rows, output, num_accepted)
 
 
+def greedy_chain_walk_lists(drafts: list[list[int]], row_tokens: list[int]) -> list[int]:
+    """:func:`greedy_chain_walk` on host lists, for a batch laid out as vLLM lays out a
+    speculative step's logits: request ``b`` has rows for its root and each of its
+    ``drafts[b]`` (an empty list: the root alone), one after another, and ``row_tokens``
+    holds the target's choice at every row. Returns how many drafts of each request
+    were accepted: up to its first draft that is not the choice at the row before it."""
+    accepted, first = [], 0
+    for proposed in drafts:
+        count = 0
+        while count < len(proposed) and proposed[count] == row_tokens[first + count]:
+            count += 1
+        accepted.append(count)
+        first += len(proposed) + 1
+    return accepted
+
+
 def accept_tree(tree: HybridTree, target_logits: torch.Tensor, params: SamplingBatch,
                 probs_fn: ProbsFn | None = None,
                 argmax_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,

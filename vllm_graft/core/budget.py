@@ -34,9 +34,9 @@ import numpy as np
 import torch
 
 from vllm_graft.core.acceptance import AcceptanceResult
+from vllm_graft.core.chain import HostChains
 from vllm_graft.core.config import StepMode
-from vllm_graft.core.hybrid import (SOURCE_CONTEXT, UNKNOWN_SCORE, HybridTree, trim_chains,
-                                   trim_tree)
+from vllm_graft.core.hybrid import SOURCE_CONTEXT, UNKNOWN_SCORE, HybridTree, trim_tree
 
 #: the acceptance model's source classes; a context-copied node is ``context`` whatever
 #: else proposed it
@@ -247,6 +247,27 @@ class CostModel:
         weight = (batch - lower) / (upper - lower)
         return low + weight * (high - low)
 
+    def _verify_point_ms(self, batch: int):
+        """:meth:`_verify_ms` at ``batch`` as a function of one point's total tokens, in
+        plain Python (the same arithmetic in the same order); the curves it reads are
+        chosen once."""
+        sizes = sorted(self.curves)
+        if batch <= sizes[0] or batch >= sizes[-1]:
+            nearest = sizes[0] if batch <= sizes[0] else sizes[-1]
+            return lambda total_tokens: self._curve_point_ms(nearest, total_tokens)
+        upper = next(s for s in sizes if s >= batch)
+        lower = max(s for s in sizes if s <= batch)
+        if upper == lower:
+            return lambda total_tokens: self._curve_point_ms(lower, total_tokens)
+        weight = (batch - lower) / (upper - lower)
+
+        def interpolated(total_tokens: float) -> float:
+            per_request = total_tokens / batch
+            low = self._curve_point_ms(lower, per_request * lower)
+            high = self._curve_point_ms(upper, per_request * upper)
+            return low + weight * (high - low)
+        return interpolated
+
     def _step_ms(self, batch: int, nodes: np.ndarray, mode: StepMode) -> np.ndarray:
         plain, fixed, per_node = self.other_costs(batch, mode)
         other = np.where(nodes > 0, fixed + per_node * nodes, plain)
@@ -438,6 +459,46 @@ class AcceptanceModel:
         trials += np.bincount(flat, minlength=trials.size)
         accepts += np.bincount(flat, weights=accepted, minlength=accepts.size)
 
+    def optimistic_lookup(self):
+        """A function from a class's flat index (:meth:`class_of`) to its
+        :meth:`optimistic` odds, in Python over the counts as they are now: the same
+        arithmetic as :meth:`_optimistic_at`, in the same order."""
+        accepts, trials = self.accepts.view(-1).tolist(), self.trials.view(-1).tolist()
+        explore = self.explore
+
+        def optimistic(index: int) -> float:
+            mean = accepts[index] / trials[index]
+            error = math.sqrt(mean * (1 - mean) / (trials[index] + 1))
+            return min(mean + explore * error, 1.0)
+        return optimistic
+
+    def class_of(self, tag: int, depth: int, score: float) -> int:
+        """:meth:`_bucket` of one node, in Python (a chain's few nodes cost less this way
+        than as arrays)."""
+        depth = min(max(depth, 1), self.max_depth) - 1
+        bucket = min(int(min(max(score, 0.0), 1.0) * self.score_buckets),
+                     self.score_buckets - 1)
+        return (_SOURCE_CLASS_OF_TAG_LIST[tag] * self.max_depth + depth) \
+            * self.score_buckets + bucket
+
+    def observe_chains(self, chains) -> int:
+        """:meth:`observe` for chains given as host lists: per chain, the tags of its nodes
+        after the root, their scores (None: unknown), how many were accepted and how many
+        of the first were learned from already (skipped). Node ``j`` (depth ``j``) was a
+        trial when its parent was accepted (``j <= accepted + 1``) and succeeded when
+        ``j <= accepted``. Returns the trials counted."""
+        trials, accepts = self.trials.view(-1).numpy(), self.accepts.view(-1).numpy()
+        counted = 0
+        for tags, scores, accepted, skipped in chains:
+            for depth in range(skipped + 1, min(accepted + 1, len(tags)) + 1):
+                score = UNKNOWN_SCORE if scores is None else scores[depth - 1]
+                index = self.class_of(tags[depth - 1], depth, score)
+                trials[index] += 1.0
+                counted += 1
+                if depth <= accepted:
+                    accepts[index] += 1.0
+        return counted
+
     def seed(self, measured, evidence_trials: float = CALIBRATION_EVIDENCE_TRIALS) -> None:
         """Add what a calibration run measured (``measured``:
         :class:`~vllm_graft.core.calibration.AcceptanceTally`, trials and accepts per
@@ -464,6 +525,7 @@ class AcceptanceModel:
 _SOURCE_CLASS_OF_TAG = np.array(
     [SOURCE_NAMES.index("context") if tag & SOURCE_CONTEXT else min(max(tag, 1), 3) - 1
      for tag in range(2 * SOURCE_CONTEXT)], dtype=np.int64)
+_SOURCE_CLASS_OF_TAG_LIST = _SOURCE_CLASS_OF_TAG.tolist()
 
 
 # np.clip is avoided below: on arrays of a few dozen entries its Python wrapper costs
@@ -537,24 +599,12 @@ def _path_probability(parents: np.ndarray, depths: np.ndarray, valid: np.ndarray
     return np.where(valid, prob, 0.0)
 
 
-def chain_path_probability(valid: torch.Tensor, conditional: torch.Tensor) -> torch.Tensor:
-    """:func:`path_probability` of chains (row ``j``'s parent is row ``j - 1``, the valid
-    rows a prefix): a running product along each row, in one op instead of one pass
-    per depth."""
-    return torch.from_numpy(_chain_path_probability(
-        host_array(valid), host_array(conditional))).to(conditional.device)
-
-
-def _chain_path_probability(valid: np.ndarray, conditional: np.ndarray) -> np.ndarray:
-    prob = np.where(valid, conditional.astype(np.float64), 0.0)
-    prob[:, 0] = 1.0
-    return np.cumprod(prob, axis=1)
-
-
 # ---- choice -----------------------------------------------------------------------------
 @dataclass
 class Choice:
-    keep: torch.Tensor  # [B, N] bool: nodes to verify (row 0, the root, always kept)
+    #: [B, N] bool: nodes to verify (row 0, the root, always kept); None for host
+    #: chains, which keep their first ``nodes_per_request`` nodes
+    keep: torch.Tensor | None
     nodes_per_request: torch.Tensor  # [B], on the host
     expected_tokens: float  # emitted tokens per step predicted for the choice
     step_ms: float  # predicted step time
@@ -585,16 +635,55 @@ def _choose_nodes(path_prob: np.ndarray, valid: np.ndarray, cost: CostModel,
     available = int(candidate.sum())
     if max_nodes is not None:
         available = min(available, max_nodes)
-    expected = batch + np.concatenate(([0.0], np.cumsum(flat[order[:available]])))
-    time = cost._step_ms(batch, np.arange(available + 1, dtype=np.float64), mode)
-    best = int(np.argmax(expected / time))
+    best, expected, step_ms = _best_count(flat[order[:available]], batch, cost, mode)
     keep = np.zeros(batch * rows, dtype=bool)
     keep[order[:best]] = True
     keep = keep.reshape(batch, rows)
     keep[:, 0] = True
     keep_tensor = torch.from_numpy(keep).to(device)
     return Choice(keep=keep_tensor, nodes_per_request=torch.from_numpy(keep[:, 1:].sum(1)),
-                  expected_tokens=float(expected[best]), step_ms=float(time[best]))
+                  expected_tokens=expected, step_ms=step_ms)
+
+
+#: candidates up to which the sizer counts in Python (a chain step's few), not numpy
+SMALL_CHOICE = 32
+
+
+def _best_count(ordered_prob, batch: int, cost: CostModel, mode: StepMode
+                ) -> tuple[int, float, float]:
+    """How many of the candidate nodes, best first (``ordered_prob``: their path
+    probabilities in that order), to verify for the most expected tokens per ms, with
+    the expected tokens and step time of that choice."""
+    if len(ordered_prob) <= SMALL_CHOICE:
+        return _best_count_small(ordered_prob, batch, cost, mode)
+    return _best_count_arrays(ordered_prob, batch, cost, mode)
+
+
+def _best_count_arrays(ordered_prob, batch: int, cost: CostModel, mode: StepMode
+                       ) -> tuple[int, float, float]:
+    expected = batch + np.concatenate(([0.0], np.cumsum(ordered_prob, dtype=np.float64)))
+    time = cost._step_ms(batch, np.arange(len(ordered_prob) + 1, dtype=np.float64), mode)
+    best = int(np.argmax(expected / time))
+    return best, float(expected[best]), float(time[best])
+
+
+def _best_count_small(ordered_prob, batch: int, cost: CostModel, mode: StepMode
+                      ) -> tuple[int, float, float]:
+    """:func:`_best_count_arrays` in Python: the same arithmetic in the same order, so
+    the same choice to the last bit, without numpy's cost per call."""
+    plain, fixed, per_node = cost.other_costs(batch, mode)
+    verify_ms = cost._verify_point_ms(batch)
+    best, best_rate, best_expected, best_ms = 0, -math.inf, 0.0, 0.0
+    total = 0.0
+    for nodes in range(len(ordered_prob) + 1):
+        if nodes:
+            total += float(ordered_prob[nodes - 1])
+        expected = batch + total
+        step_ms = verify_ms(batch + nodes) + (fixed + per_node * nodes if nodes > 0 else plain)
+        rate = expected / step_ms
+        if rate > best_rate:
+            best, best_rate, best_expected, best_ms = nodes, rate, expected, step_ms
+    return best, best_expected, best_ms
 
 
 # ---- measured throughput ------------------------------------------------------------------
@@ -823,21 +912,20 @@ class ThroughputGuard:
         self.measured[key] = self.measured.get(key, 0) + 1
 
 
-def copy_outcomes(proposed: torch.Tensor, actual: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """What verifying chains would have accepted, read from the tokens decoding emitted
-    at their positions instead: ``proposed`` ``[M, N]`` each chain's nodes after its root
-    (-1: none), ``actual`` ``[M, N]`` the tokens emitted at the same positions.
-    ``(trial, accepted)``: a node is a trial when every node before it matched, and
-    accepted when it matched too. Where the nodes before it matched, the target saw the
-    same context as a verification would, and its emitted token is a draw from the
+def copied_prefix(proposed, emitted) -> int:
+    """How many of a chain's nodes verifying it would have accepted, read from the
+    tokens decoding emitted at their positions instead: its nodes up to the first that
+    is not the emitted token (``proposed``, ``emitted``: the nodes after the root and the
+    tokens at the same positions). Where the nodes before one matched, the target saw
+    the same context as a verification would, and its emitted token is a draw from the
     distribution acceptance samples there (its argmax when greedy), so these outcomes
     are distributed as a verification's: the acceptance model learns copied nodes from
-    steps that verified none."""
-    matched = ((proposed >= 0) & (proposed == actual)).long().cumprod(dim=1).bool()
-    trial = torch.ones_like(matched)
-    trial[:, 1:] = matched[:, :-1]
-    return trial & (proposed >= 0), matched
+    steps that verified none (:meth:`AcceptanceModel.observe_chains`: every node up to
+    the first mismatch is a trial, the matched ones accepted)."""
+    matched = 0
+    while matched < len(proposed) and proposed[matched] == emitted[matched]:
+        matched += 1
+    return matched
 
 
 class ChainScout:
@@ -863,7 +951,7 @@ class ChainScout:
     step like any chain step, so chains that really are faster take over through its own
     choice, and a prediction that fared badly shrinks its correction until it stops
     firing. Each look's chains also teach the acceptance model once decoding has emitted
-    their positions (:func:`copy_outcomes`), so its odds for copied nodes do not stay at
+    their positions (:func:`copied_prefix`), so its odds for copied nodes do not stay at
     the cold prior while no chain runs.
     """
 
@@ -956,20 +1044,48 @@ class TreeSizer:
         model = self.acceptance_for(mode)
         conditional = model._optimistic_at(model._bucket(tree.source, tree.depths,
                                                          self._score(tree, score)))
-        if mode is StepMode.CHAIN:
-            prob = _chain_path_probability(valid, conditional)
-        else:
-            prob = _path_probability(host_array(tree.parents), host_array(tree.depths),
-                                     valid, conditional)
+        prob = _path_probability(host_array(tree.parents), host_array(tree.depths), valid,
+                                 conditional)
         return _choose_nodes(prob, valid, self.cost, None, mode, tree.tokens.device)
+
+    def trim_chains(self, chains: HostChains, mode: StepMode = StepMode.CHAIN
+                    ) -> tuple[HostChains, Choice]:
+        """:meth:`trim` of host chains (:class:`vllm_graft.core.chain.HostChains`): the
+        same choice, its arithmetic over Python lists. Path probabilities fall along a
+        chain, so the best nodes of the batch are a prefix of each chain; among equal
+        probabilities the earlier request and the parent come first, as in
+        :func:`choose_nodes`. The choice's ``keep`` is None: each chain keeps its first
+        ``nodes_per_request`` nodes."""
+        model = self.acceptance_for(mode)
+        optimistic = model.optimistic_lookup()
+        candidates = []  # (path probability, request), request-major, parents first
+        for request, (tags, scores) in enumerate(zip(chains.source, chains.score)):
+            prob = 1.0
+            for depth in range(1, len(tags)):
+                prob *= optimistic(model.class_of(tags[depth], depth, scores[depth]))
+                candidates.append((prob, request))
+        candidates.sort(key=lambda candidate: -candidate[0])  # stable
+        batch = len(chains.tokens)
+        best, expected, step_ms = _best_count([prob for prob, _ in candidates], batch,
+                                              self.cost, mode)
+        nodes = [0] * batch
+        for _, request in candidates[:best]:
+            nodes[request] += 1
+        return chains.cut(nodes), Choice(keep=None, nodes_per_request=torch.tensor(nodes),
+                                         expected_tokens=expected, step_ms=step_ms)
 
     def trim(self, tree: HybridTree, score: torch.Tensor | None = None,
              mode: StepMode = StepMode.TREE) -> tuple[HybridTree, Choice]:
-        """The tree cut to :meth:`choose`'s nodes (a chain to its first ones)."""
+        """The tree cut to :meth:`choose`'s nodes (a chain to its first ones; a chain
+        step's own chains are cut by :meth:`trim_chains`)."""
         choice = self.choose(tree, score, mode)
-        if mode is StepMode.CHAIN:
-            return trim_chains(tree, choice.keep), choice
         return trim_tree(tree, choice.keep), choice
+
+    def observe_chains(self, chains, mode: StepMode = StepMode.CHAIN) -> None:
+        """:meth:`observe` for verified chains as host lists
+        (:meth:`AcceptanceModel.observe_chains`); ``mode``: the kind of step that
+        verified them."""
+        self.acceptance_for(mode).observe_chains(chains)
 
     def observe(self, tree: HybridTree, result: AcceptanceResult,
                 score: torch.Tensor | None = None, mode: StepMode = StepMode.TREE) -> None:

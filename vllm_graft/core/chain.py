@@ -7,23 +7,20 @@ No drafter forward and no tree: the backend verifies a chain with its own causal
 attention, so a chain step costs what a prompt-lookup step costs, and it still proposes
 something on text that copies nothing. The throughput guard
 (:class:`vllm_graft.core.budget.ThroughputGuard`) runs chain steps while they are
-measured faster than both full Graft trees and plain decoding.
+measured faster than both full Graft trees and plain decoding. A chain step builds its
+chains on the host (:func:`walk_chains`, :class:`HostChains`); Graft-TAIL grows its
+drafted prefixes into chains as tensors (:func:`build_chains`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
-from vllm_graft.core.hybrid import SOURCE_CONTEXT, SOURCE_RETRIEVED, HybridTree
+from vllm_graft.core.hybrid import SOURCE_CONTEXT, SOURCE_RETRIEVED, UNKNOWN_SCORE, HybridTree
 from vllm_graft.core.successor import BatchView, SuccessorMatrix
-
-
-def copied_to_tensor(copied: list[list[int]], length: int,
-                     device: torch.device | str = "cpu") -> torch.Tensor:
-    """``[B, length]`` int64: each request's copied continuation cut to ``length``,
-    padded with -1. Built on the host and moved once."""
-    rows = [tokens[:length] + [-1] * (length - min(len(tokens), length)) for tokens in copied]
-    return torch.tensor(rows, dtype=torch.int64).reshape(len(copied), length).to(device)
 
 
 def build_chains(roots: torch.Tensor, copied: torch.Tensor,
@@ -73,3 +70,86 @@ def build_chains(roots: torch.Tensor, copied: torch.Tensor,
     depths = torch.where(valid, rows, 0).expand(batch, -1).contiguous()
     return HybridTree(tokens=tokens, parents=parents, depths=depths, valid=valid,
                       source=source, num_nodes=valid.sum(1))
+
+
+@dataclass
+class HostChains:
+    """A batch's copy chains as host lists, what :func:`build_chains` builds as tensors:
+    per request its tokens (root first), the source tag of each (root: 0) and its score
+    for the acceptance model (root: :data:`UNKNOWN_SCORE`). A copy-chain step builds,
+    sizes and schedules a few dozen such numbers; as lists that costs a fraction of the
+    tensor operations it would take, each a dispatch on caches the forward has just
+    flushed. Row ``j`` of a chain is the child of row ``j - 1``."""
+
+    tokens: list[list[int]]
+    source: list[list[int]]
+    score: list[list[float]]
+
+    def cut(self, nodes: list[int]) -> HostChains:
+        """Each chain cut to its root and first ``nodes[b]`` nodes."""
+        return HostChains(*([row[:n + 1] for row, n in zip(field, nodes)]
+                            for field in (self.tokens, self.source, self.score)))
+
+    def to_tree(self, device: torch.device | str = "cpu") -> HybridTree:
+        """The chains as a batch :class:`HybridTree` (padded to the longest), one tensor
+        per field."""
+        rows = max((len(tokens) for tokens in self.tokens), default=1)
+        lengths = [len(tokens) for tokens in self.tokens]
+
+        def tensor(field, fill, dtype):
+            return torch.tensor([row + [fill] * (rows - len(row)) for row in field],
+                                dtype=dtype, device=device).view(-1, rows)
+
+        # every field from lists: one tensor each, no tensor arithmetic
+        return HybridTree(
+            tokens=tensor(self.tokens, -1, torch.int64),
+            parents=tensor([list(range(-1, n - 1)) for n in lengths], -1, torch.int64),
+            depths=tensor([list(range(n)) for n in lengths], 0, torch.int64),
+            valid=tensor([[True] * n for n in lengths], False, torch.bool),
+            source=tensor(self.source, 0, torch.uint8),
+            num_nodes=torch.tensor(lengths, dtype=torch.int64, device=device),
+            score=tensor(self.score, 0.0, torch.float32))
+
+
+def walk_chains(roots: list[int], copied: list[list[int]], matrix: SuccessorMatrix | BatchView,
+                length: int, max_walk: int | None = None,
+                copied_scores: list[float] | None = None) -> HostChains:
+    """:func:`build_chains` (``prefix_source`` :data:`SOURCE_CONTEXT`) on host lists: each
+    request's copied continuation cut to ``length``, then the successor matrix's top-1
+    walk from its last token for at most ``max_walk`` more nodes, ending at a miss.
+    One matrix gather per walked position for the whole batch. ``copied_scores``: each
+    request's score of its copied nodes (:func:`vllm_graft.core.context.match_score`;
+    None: unknown); walked nodes score :data:`UNKNOWN_SCORE`. Scores are float32 values,
+    as the tensor path keeps them."""
+    if length < 0 or (max_walk is not None and max_walk < 0):
+        raise ValueError(f"chain length and max_walk must be >= 0, got {length}, {max_walk}")
+    if len(copied) != len(roots):
+        raise ValueError(f"walk_chains needs one copied continuation per root, got "
+                         f"{len(copied)} for {len(roots)}")
+    tokens = [[root] + list(prefix[:length]) for root, prefix in zip(roots, copied)]
+    num_copied = [len(row) - 1 for row in tokens]
+    walks = length if max_walk is None else min(max_walk, length)
+    # each chain walks until it is full, its walk is spent or the matrix misses
+    left = [min(walks, length - n) for n in num_copied]
+    for _ in range(walks):
+        if not any(left):
+            break
+        last = torch.tensor([row[-1] if more else -1 for row, more in zip(tokens, left)],
+                            dtype=torch.int64, device=matrix.device)
+        found = matrix.gather(last, torch.zeros_like(last)).tolist()
+        for b, token in enumerate(found):
+            if left[b]:
+                if token < 0:
+                    left[b] = 0
+                else:
+                    tokens[b].append(int(token))
+                    left[b] -= 1
+    if copied_scores is None:
+        copied_scores = [UNKNOWN_SCORE] * len(roots)
+    source, score = [], []
+    for row, n, copied_score in zip(tokens, num_copied, copied_scores):
+        walked = len(row) - 1 - n
+        source.append([0] + [SOURCE_CONTEXT] * n + [SOURCE_RETRIEVED] * walked)
+        score.append([UNKNOWN_SCORE] + [float(np.float32(copied_score))] * n
+                     + [UNKNOWN_SCORE] * walked)
+    return HostChains(tokens, source, score)

@@ -364,14 +364,22 @@ def accepted_by_source(tree: HybridTree, result: AcceptanceResult) -> dict[str, 
     padding: one class per node, a context-copied node counting as ``context`` whatever
     else proposed it too. Counted on the host over Python lists: a step's accepted paths
     are a few dozen nodes, fewer than the tensor ops a batched count would take."""
+    return count_accepted_sources(tree.source.tolist(), result.accepted_rows.tolist())
+
+
+def count_accepted_sources(tags: list[list[int]], accepted_rows: list[list[int]]
+                           ) -> dict[str, int]:
+    """:func:`accepted_by_source` over host lists: each tree's node tags and its accepted
+    rows (-1 after the last)."""
     counts = dict.fromkeys(("context", "draft", "retrieved", "both", "padding"), 0)
-    for tags, rows in zip(tree.source.tolist(), result.accepted_rows.tolist()):
+    for tree_tags, rows in zip(tags, accepted_rows):
         for row in rows:
-            name = _ACCEPTED_CLASS_OF_TAG[tags[row]] if row >= 0 else None
+            name = _ACCEPTED_CLASS_OF_TAG[tree_tags[row]] if row >= 0 else None
             if name is not None:
                 counts[name] += 1
     return counts
 
 
 __all__ = ["BuildStats", "DraftTree", "GraftTreeBuilder", "accepted_by_source",
+           "count_accepted_sources",
            "learnable_tokens", "local_probability", "rank_score"]

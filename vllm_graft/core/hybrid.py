@@ -250,20 +250,6 @@ def trim_tree(tree: HybridTree, keep: torch.Tensor) -> HybridTree:
         num_nodes=valid.sum(dim=1), score=score)
 
 
-def trim_chains(tree: HybridTree, keep: torch.Tensor) -> HybridTree:
-    """:func:`trim_tree` for chains (row ``j``'s parent is row ``j - 1``) cut to a prefix
-    of each (``keep`` closed under parents): the kept rows stay where they are, so
-    nothing is compacted."""
-    keep = keep & tree.valid
-    keep[:, 0] = True
-    score = None if tree.score is None else torch.where(keep, tree.score, 0)
-    return HybridTree(
-        tokens=torch.where(keep, tree.tokens, -1), parents=torch.where(keep, tree.parents, -1),
-        depths=torch.where(keep, tree.depths, 0), valid=keep,
-        source=torch.where(keep, tree.source, 0),
-        num_nodes=keep.sum(dim=1), score=score)
-
-
 def _scatter_rows(values: torch.Tensor, row_of: torch.Tensor, rows: int,
                   fill: int) -> torch.Tensor:
     """out[b, row_of[b, i]] = values[b, i], with one extra scratch row dropped at the end."""

@@ -88,6 +88,10 @@ class SuccessorMatrix:
         return self.table.shape[1]
 
     @property
+    def device(self) -> torch.device:
+        return self.table.device
+
+    @property
     def nbytes(self) -> int:
         """Device memory of the table (151,936 x 8 x 4 B = 4.9 MB for Qwen)."""
         return self.table.numel() * self.table.element_size()
@@ -278,6 +282,10 @@ class BatchView:
     @property
     def k(self) -> int:
         return self.matrix.k
+
+    @property
+    def device(self) -> torch.device:
+        return self.matrix.device
 
     def gather(self, parent_tokens: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
         batch = self.partitions.numel()

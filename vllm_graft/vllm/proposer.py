@@ -39,8 +39,8 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_graft.core.budget import (ChainScout, Choice, ThroughputGuard, TreeSizer,
-                                    context_scores, copy_outcomes)
-from vllm_graft.core.chain import build_chains, copied_to_tensor
+                                    context_scores, copied_prefix)
+from vllm_graft.core.chain import HostChains, walk_chains
 from vllm_graft.core.config import StepMode, TreeShape
 from vllm_graft.core.context import (ContextIndex, RecentOutputsIndex, match_score,
                                      proposals_to_tensors)
@@ -109,16 +109,21 @@ class HostRows:
 @dataclass
 class ShadowChain:
     """A request's whole copy chain (before any cut), kept until decoding has emitted
-    every position it proposed: row ``row`` of a build's host ``nodes`` (tokens,
-    sources, depths, scores after the root), rooted at context position ``root``.
-    ``verified``: its first nodes a chain step verified (they taught the acceptance
-    model then)."""
+    every position it proposed: its nodes after the root (tokens, source tags, scores),
+    rooted at context position ``root``. ``verified``: its first nodes a chain step
+    verified (they taught the acceptance model then)."""
 
     root: int
-    nodes: tuple[torch.Tensor, ...]
-    row: int
-    proposed: int
+    tokens: list[int]
+    source: list[int]
+    score: list[float]
     verified: int = 0
+
+    def outcome(self, emitted) -> tuple[list[int], list[float], int, int]:
+        """What verifying the chain would have accepted, given the tokens decoding
+        emitted at its positions (:func:`vllm_graft.core.budget.copied_prefix`), as
+        :meth:`AcceptanceModel.observe_chains` takes it: past the ``verified`` nodes."""
+        return self.source, self.score, copied_prefix(self.tokens, emitted), self.verified
 
 
 @dataclass
@@ -181,7 +186,9 @@ class SettledRows:
     """Per request: the target rows whose positions became final this step.
 
     rows: flattened-batch rows in position order; next_tokens: the token at position
-    + 1 of each row; first_position / first_token: position and token of rows[0]."""
+    + 1 of each row; first_position / first_token: position and token of rows[0];
+    decoding: whether the rows are a decoding step's (one row, or a verified tree's
+    accepted path) rather than a prompt's chunk."""
 
     batch_row: int
     rows: list[int]
@@ -189,6 +196,7 @@ class SettledRows:
     first_position: int
     first_token: int
     drafts: bool  # whether this request gets a new tree
+    decoding: bool = True
 
 
 class GraftTreeDrafting:
@@ -265,7 +273,7 @@ class GraftTreeDrafting:
         # the step's settled rows (the chains serve that step only), the drafting
         # requests' batch rows, the chains and the sizer's choice
         self.scout: ChainScout | None = None
-        self.scouted: tuple[list[SettledRows], list[int], HybridTree, Choice | None] | None \
+        self.scouted: tuple[list[SettledRows], list[int], HostChains, Choice | None] | None \
             = None
         # per request, the whole chain of the last chain build (a scout's look or a chain
         # step) until decoding has emitted the positions it proposed
@@ -464,12 +472,14 @@ class GraftTreeDrafting:
             chains, self.last_choice = scouted[2], scouted[3]
         else:
             chains, self.last_choice = self._build_chains(runner, settled, drafting)
-        chains = agree(chains.to("cpu"))
+        chains = agree(chains)
+        tree = chains.to_tree()
         req_ids = runner.input_batch.req_ids
-        rows, nodes = HostRows.of(chains), 0
+        rows = HostRows([len(tokens) for tokens in chains.tokens], chains.tokens)
+        nodes = 0
         for t, i in enumerate(drafting):
             req_id = req_ids[settled[i].batch_row]
-            kept = self._schedule(chains, rows, t, req_id, settled[i].batch_row, drafts,
+            kept = self._schedule(tree, rows, t, req_id, settled[i].batch_row, drafts,
                                   chain=True) - 1
             self._mark_verified(req_id, kept)
             nodes += kept
@@ -477,11 +487,10 @@ class GraftTreeDrafting:
         return drafts
 
     def _build_chains(self, runner, settled: list[SettledRows], drafting: list[int]
-                      ) -> tuple[HybridTree, Choice | None]:
-        """Each drafting request's copy chain, cut by the sizer (with its choice) when
-        budget "auto" is on; the whole chains teach the acceptance model once decoding
-        has passed them (:meth:`_shadow_chains`)."""
-        roots = torch.tensor([settled[i].next_tokens[-1] for i in drafting], dtype=torch.long)
+                      ) -> tuple[HostChains, Choice | None]:
+        """Each drafting request's copy chain, on the host, cut by the sizer (with its
+        choice) when budget "auto" is on; the whole chains teach the acceptance model
+        once decoding has passed them (:meth:`_shadow_chains`)."""
         matches = [(0, [])] * len(drafting)
         if self.uses_context:
             matches = [self._context_index(runner, settled[i]).best_match(
@@ -489,56 +498,42 @@ class GraftTreeDrafting:
         req_ids = runner.input_batch.req_ids
         matrix = self.matrix.for_batch(
             self.partitions(runner, [req_ids[settled[i].batch_row] for i in drafting]))
-        copied = copied_to_tensor([tokens for _, tokens in matches], self.chain_tokens,
-                                  self.device)
-        chains = build_chains(roots.to(self.device), copied, matrix, self.chain_tokens,
-                              self.chain_walk)
+        min_ngram = self.context_config.min_ngram
+        chains = walk_chains([settled[i].next_tokens[-1] for i in drafting],
+                             [tokens for _, tokens in matches], matrix, self.chain_tokens,
+                             self.chain_walk,
+                             [match_score(length, min_ngram) for length, _ in matches])
         if self.sizer is None:
             return chains, None
-        chains = self._scored_by_match(chains, [length for length, _ in matches])
         if self.uses_context:
             self._shadow_chains(runner, settled, drafting, chains)
-        return self.sizer.trim(chains, mode=StepMode.CHAIN)
+        return self.sizer.trim_chains(chains)
 
     def _shadow_chains(self, runner, settled: list[SettledRows], drafting: list[int],
-                       chains: HybridTree) -> None:
+                       chains: HostChains) -> None:
         """Teach the chain acceptance model from chain nodes no step verified: each
         drafting request's chain of an earlier build, once decoding has emitted every
-        position it proposed (:func:`vllm_graft.core.budget.copy_outcomes`), past the
+        position it proposed (:func:`vllm_graft.core.budget.copied_prefix`), past the
         nodes a chain step verified; and keep this build's whole chain (before any cut)
         for a request with none waiting. A scout's look teaches what plain steps would
         have accepted; a chain step, the odds of the nodes its cut left out, which the
         sizer would otherwise only learn by verifying them (a class once measured poor,
         or never tried, such as the matrix's walk after a copy, would stay cut)."""
         req_ids = runner.input_batch.req_ids
-        host = chains.to("cpu")
-        # each chain's nodes after the root: tokens, sources, depths, scores
-        nodes_of = (host.tokens[:, 1:], host.source[:, 1:], host.depths[:, 1:],
-                    host.score[:, 1:])
-        proposed = (host.num_nodes - 1).tolist()
-        width = nodes_of[0].shape[1]
-        resolved, actual, verified = [], [], []
+        outcomes = []
         for t, i in enumerate(drafting):
             req_id = req_ids[settled[i].batch_row]
             context = self.context_indexes[req_id].tokens
             waiting = self.shadows.get(req_id)
             if waiting is not None:
-                end = waiting.root + 1 + waiting.proposed
+                end = waiting.root + 1 + len(waiting.tokens)
                 if len(context) < end:
                     continue  # not every position it proposed was emitted yet
-                chain = tuple(part[waiting.row] for part in waiting.nodes)
-                resolved.append(chain)
-                emitted = list(context[waiting.root + 1:end])
-                actual.append(emitted + [-1] * (chain[0].numel() - waiting.proposed))
-                verified.append(waiting.verified)
-            self.shadows[req_id] = ShadowChain(len(context) - 1, nodes_of, t, proposed[t])
-        if not resolved:
-            return
-        tokens, source, depths, score = (torch.stack(part) for part in zip(*resolved))
-        trial, accepted = copy_outcomes(tokens, torch.tensor(actual))
-        trial &= torch.arange(trial.shape[1]) >= torch.tensor(verified).unsqueeze(1)
-        self.sizer.chain_acceptance.observe(source, depths, score, trial, accepted)
-        self.shadow_trials += int(trial.sum())
+                outcomes.append(waiting.outcome(context[waiting.root + 1:end]))
+            self.shadows[req_id] = ShadowChain(len(context) - 1, chains.tokens[t][1:],
+                                               chains.source[t][1:], chains.score[t][1:])
+        if outcomes:
+            self.shadow_trials += self.sizer.chain_acceptance.observe_chains(outcomes)
 
     def _mark_verified(self, req_id: str, nodes: int) -> None:
         """A chain step verifies the first ``nodes`` nodes of the chain built this step
@@ -675,7 +670,8 @@ class GraftTreeDrafting:
                     entry.append(tokens, positions, hidden, self.MAX_DEFERRED + len(positions))
                     tokens, positions, hidden = entry.tokens, entry.positions, entry.hidden
                 now.append((i, (tokens, positions, hidden)))
-            elif len(s.rows) == 1:  # a decode step: wait for the request's next tree
+            elif s.decoding:  # a decode step, its chain's accepted rows too: wait for the
+                # request's next tree
                 self.deferred.setdefault(req_id, DeferredRows([], [])).append(
                     tokens, positions, hidden, self.MAX_DEFERRED)
             else:  # a prefill chunk is fed at once: the prompt's drafter KV stays whole

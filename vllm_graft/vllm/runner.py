@@ -34,11 +34,12 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from vllm.v1.outputs import SamplerOutput
 
-from vllm_graft.core.acceptance import (AcceptanceResult, greedy_chain_walk, greedy_walk,
+from vllm_graft.core.acceptance import (AcceptanceResult, greedy_chain_walk,
+                                        greedy_chain_walk_lists, greedy_walk,
                                         walk_tree)
 from vllm_graft.core.budget import UNKNOWN_SCORE
 from vllm_graft.core.config import StepMode
-from vllm_graft.core.graft import accepted_by_source
+from vllm_graft.core.graft import accepted_by_source, count_accepted_sources
 from vllm_graft.core.hybrid import SOURCE_PAD, HybridTree, ancestor_mask
 from vllm_graft.vllm.proposer import GraftProposer, PendingTree, SettledRows
 from vllm_graft.vllm.sampling import argmax_is_the_sample
@@ -233,6 +234,9 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
         return runner.sampler(logits=logits, sampling_metadata=sampling_metadata)
     stats: GraftStats = runner._graft_stats
     start = device_clock(logits.device)
+    if (step is None or step.plan is None) and _walks_as_chains(trees, num_draft_tokens) \
+            and argmax_is_the_sample(sampling_metadata):
+        return _sample_chains(runner, logits, spec_decode_metadata, trees, start)
     device = logits.device
     num_sampled = torch.as_tensor(num_draft_tokens, device=device) + 1
     starts = torch.cumsum(num_sampled, 0) - num_sampled  # first logits row per request
@@ -283,6 +287,99 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
         stats.add_seconds("tree_attention", step.plan.seconds)
     stats.add_seconds("bookkeeping", device_clock(device) - start - level_zero_seconds)
     return SamplerOutput(sampled_token_ids=output.to(torch.int32), logprobs_tensors=logprobs)
+
+
+def _walks_as_chains(trees: list[VerifiedTree], num_draft_tokens: list[int]) -> bool:
+    """Whether every request that carries drafts carries one of our chains, whole:
+    then its logits rows are the chain's rows, in order, and :func:`_sample_chains`
+    applies."""
+    chains = {t.batch_row: t for t in trees}
+    for row, drafts in enumerate(num_draft_tokens):
+        chain = chains.get(row)
+        if chain is None and drafts:
+            return False
+        if chain is not None and (not chain.chain or len(chain.tree.draft_tokens) != drafts):
+            return False
+    return True
+
+
+def _sample_chains(runner, logits: torch.Tensor, spec_decode_metadata,
+                   trees: list[VerifiedTree], start: float) -> SamplerOutput:
+    """:func:`sample_with_trees` for a greedy step whose drafts are all chains (copy
+    chains, or no drafts at all), walked on the host: one top-k pass over every logits
+    row gives each row's argmax (what plain decoding emits there) and the successor
+    matrix's lesson; each chain is accepted up to its first token that is not the argmax
+    of the row before it. The walk, the acceptance model's lesson and the counts run
+    over Python lists: a chain step's few dozen numbers cost more as tensor operations,
+    each a dispatch on caches the forward has just flushed."""
+    stats: GraftStats = runner._graft_stats
+    drafter = runner.drafter
+    device = logits.device
+    num_draft_tokens = spec_decode_metadata.num_draft_tokens
+    pass_start = device_clock(device)
+    row_topk = drafter.matrix.target_topk(logits)  # every logits row is a verified row
+    best = row_topk[:, 0].tolist()
+    # plain decoding reads each request's one row too: that share is not Graft's
+    level_zero_seconds = (device_clock(device) - pass_start) * len(num_draft_tokens) \
+        / max(len(best), 1)
+    chains = {t.batch_row: t for t in trees}
+    drafts = [chains[row].tree.draft_tokens if row in chains else []
+              for row in range(len(num_draft_tokens))]
+    accepted = greedy_chain_walk_lists(drafts, best)
+    outputs, tags, padding_rows = [], {}, []
+    first = 0  # each request's first logits row
+    for row, count in enumerate(accepted):
+        outputs.append(best[first:first + count + 1])
+        if row in chains:
+            tags[row] = chains[row].tree.source.tolist()
+            padding_rows += [first + j for j, tag in enumerate(tags[row]) if tag == SOURCE_PAD]
+        first += len(drafts[row]) + 1
+    width = max(num_draft_tokens, default=0) + 1  # the longest chain (vLLM's layout)
+    output = torch.tensor([tokens + [-1] * (width - len(tokens)) for tokens in outputs],
+                          dtype=torch.int32)
+    stats.counts["one_pass_verifications"] += 1
+    if trees:
+        accepted_rows = [list(range(1, count + 1)) + [-1] * (width - 1 - count)
+                         for count in accepted]
+        step: GraftStep = runner._graft_step
+        step.result = AcceptanceResult(
+            accepted_rows=torch.tensor(accepted_rows, dtype=torch.long).view(-1, width - 1),
+            output_tokens=output.long(), num_accepted=torch.tensor(accepted))
+        stats.counts["verified_trees"] += len(trees)
+        stats.counts["verified_nodes"] += sum(len(t.tree.draft_tokens) for t in trees)
+        for source, n in count_accepted_sources(
+                [tags[t.batch_row] for t in trees],
+                [accepted_rows[t.batch_row] for t in trees]).items():
+            stats.counts[f"accepted_{source}"] += n
+        if drafter.sizer is not None:
+            drafter.sizer.observe_chains(
+                [(tags[t.batch_row][1:],
+                  None if t.tree.score is None else t.tree.score[1:].tolist(),
+                  accepted[t.batch_row], 0) for t in trees], mode=drafter.ran_mode)
+        for observer in TREE_OBSERVERS:
+            for t in trees:
+                observer(t, accepted_rows[t.batch_row][:accepted[t.batch_row]])
+    if drafter.mode is not StepMode.PLAIN:  # the guard's plain mode learns nothing
+        _learn_every_row(runner, logits, spec_decode_metadata, row_topk, padding_rows)
+    stats.add_seconds("bookkeeping", device_clock(device) - start - level_zero_seconds)
+    return SamplerOutput(sampled_token_ids=output.to(device), logprobs_tensors=None)
+
+
+def _learn_every_row(runner, logits: torch.Tensor, spec_decode_metadata,
+                     row_topk: torch.Tensor, padding_rows: list[int]) -> None:
+    """:func:`_learn` when every logits row is a verified row (each request's drafts
+    are its chain, or it has none): the row's input token learns the target's top-k
+    there, but for the ``padding_rows`` of fixed-shape chains."""
+    drafter = runner.drafter
+    tokens = runner.input_ids.gpu[spec_decode_metadata.logits_indices].long()
+    if padding_rows:
+        tokens[torch.tensor(padding_rows, device=tokens.device)] = -1
+    num_draft_tokens = spec_decode_metadata.num_draft_tokens
+    partitions = drafter.partitions(runner, runner.input_batch.req_ids[:len(num_draft_tokens)])
+    if partitions is not None:  # each request teaches its own matrix (graft.isolation)
+        partitions = partitions.repeat_interleave(torch.tensor(
+            [drafts + 1 for drafts in num_draft_tokens], device=partitions.device))
+    drafter.matrix.update_from_logits_(tokens, logits, None, partitions, next_tokens=row_topk)
 
 
 def _walk_with_sampler(runner, tree: HybridTree, logits: torch.Tensor, starts: torch.Tensor,
@@ -421,9 +518,10 @@ def settled_rows(runner, scheduler_output, sampled: torch.Tensor, step: GraftSte
     query_starts = runner.query_start_loc.np[:num_rows].tolist()
     computed = batch.num_computed_tokens_cpu[:num_rows].tolist()
     discard = runner.discard_request_mask.np[:num_rows].tolist()
-    token_columns = batch.token_ids_cpu.shape[1]  # rows not scheduled are read, not used
-    first_tokens = batch.token_ids_cpu[
-        np.arange(num_rows), np.minimum(computed, token_columns - 1)].tolist()
+    token_table = batch.token_ids_cpu
+    last_column = token_table.shape[1] - 1  # rows not scheduled are read, not used
+    first_tokens = [token_table.item(row, min(position, last_column))
+                    for row, position in enumerate(computed)]
     scheduled = scheduler_output.num_scheduled_tokens
     spec = scheduler_output.scheduled_spec_decode_tokens
     out = []
@@ -432,6 +530,7 @@ def settled_rows(runner, scheduler_output, sampled: torch.Tensor, step: GraftSte
         if num_scheduled == 0:
             continue
         start, prefix, discarded = query_starts[row], computed[row], bool(discard[row])
+        decoding = True
         if row in by_row:
             count = int(step.result.num_accepted[row])
             path = [0] + step.result.accepted_rows[row, :count].tolist()
@@ -443,13 +542,14 @@ def settled_rows(runner, scheduler_output, sampled: torch.Tensor, step: GraftSte
             if real == 1 and not discarded:  # a decode row: the token sampled after it
                 next_tokens = [first_sampled[row]]
             else:
-                token_ids = batch.token_ids_cpu[row]
+                decoding = False
+                token_ids = token_table[row]
                 next_tokens = token_ids[prefix + 1:prefix + real].tolist()
                 next_tokens.append(int(token_ids[prefix + real]) if discarded
                                    else first_sampled[row])
         out.append(SettledRows(batch_row=row, rows=rows, next_tokens=next_tokens,
                                first_position=prefix, first_token=first_tokens[row],
-                               drafts=not discarded))
+                               drafts=not discarded, decoding=decoding))
     return out
 
 
