@@ -1058,11 +1058,16 @@ class TreeSizer:
         ``nodes_per_request`` nodes."""
         model = self.acceptance_for(mode)
         optimistic = model.optimistic_lookup()
+        odds: dict[tuple, float] = {}  # a batch's chains share a few classes of nodes
         candidates = []  # (path probability, request), request-major, parents first
         for request, (tags, scores) in enumerate(zip(chains.source, chains.score)):
             prob = 1.0
             for depth in range(1, len(tags)):
-                prob *= optimistic(model.class_of(tags[depth], depth, scores[depth]))
+                node = (tags[depth], depth, scores[depth])
+                factor = odds.get(node)
+                if factor is None:
+                    factor = odds[node] = optimistic(model.class_of(*node))
+                prob *= factor
                 candidates.append((prob, request))
         candidates.sort(key=lambda candidate: -candidate[0])  # stable
         batch = len(chains.tokens)
