@@ -833,6 +833,11 @@ def test_chains_observed_as_lists_teach_what_their_tensors_teach():
                           num_nodes=valid.sum(1), score=score)
         by_tensors, by_lists = (TreeSizer(CostModel({1: ([1.0, 64.0], [1.0, 2.0])}))
                                 for _ in range(2))
+        seeded = torch.rand(by_lists.chain_acceptance.trials.shape, generator=generator,
+                            dtype=torch.float64) * 3  # fractional, as a calibration seeds
+        for sizer in (by_tensors, by_lists):
+            sizer.chain_acceptance.trials += seeded + 1.0
+            sizer.chain_acceptance.accepts += seeded / 2
         by_tensors.observe(tree, result, mode=StepMode.CHAIN)
         by_lists.observe_chains(
             [(source[b, 1:lengths[b] + 1].tolist(),

@@ -163,14 +163,14 @@ class ChainThenTreeGuard(AlternatingGuard):
 
 def install_chain_then_tree_guard(worker) -> None:
     """The guard above, and a record of each drafter catch-up forward: the step's mode
-    and whether every request it fed brought a decoding step's rows."""
+    and whether any request it fed brought a decoding step's rows."""
     drafter = worker.model_runner.drafter
     drafter.guard = ChainThenTreeGuard()
     drafter.feeds_seen = []
     feed = drafter._feed
 
     def recording_feed(runner, settled, inputs):
-        drafter.feeds_seen.append((drafter.mode.value, all(s.decoding for s in settled)))
+        drafter.feeds_seen.append((drafter.mode.value, any(s.decoding for s in settled)))
         return feed(runner, settled, inputs)
 
     drafter._feed = recording_feed
@@ -194,4 +194,5 @@ def test_chain_steps_defer_their_accepted_rows_to_the_next_tree(tiny_models, pla
     assert accepted_on_chains > 0, metrics  # chain steps that settled several rows
     assert feeds and all(mode == "tree" for mode, decoding in feeds if decoding), feeds
     tree_accepted = metrics["graft_accepted_draft"] + metrics.get("graft_accepted_both", 0)
-    assert tree_accepted / metrics["graft_guard_tree_steps"] > 6.0, metrics
+    # depth 7 a tree, but for the last trees of each request, cut by its max_tokens
+    assert tree_accepted / metrics["graft_trees_built"] > 5.5, metrics

@@ -487,17 +487,21 @@ class AcceptanceModel:
         of the first were learned from already (skipped). Node ``j`` (depth ``j``) was a
         trial when its parent was accepted (``j <= accepted + 1``) and succeeded when
         ``j <= accepted``. Returns the trials counted."""
-        trials, accepts = self.trials.view(-1).numpy(), self.accepts.view(-1).numpy()
-        counted = 0
+        tried: dict[int, list[float]] = {}  # class: [trials, accepts]
         for tags, scores, accepted, skipped in chains:
             for depth in range(skipped + 1, min(accepted + 1, len(tags)) + 1):
                 score = UNKNOWN_SCORE if scores is None else scores[depth - 1]
-                index = self.class_of(tags[depth - 1], depth, score)
-                trials[index] += 1.0
-                counted += 1
-                if depth <= accepted:
-                    accepts[index] += 1.0
-        return counted
+                counts = tried.setdefault(self.class_of(tags[depth - 1], depth, score),
+                                          [0.0, 0.0])
+                counts[0] += 1.0
+                counts[1] += depth <= accepted
+        # each class's totals added once, as :meth:`observe`'s bincount does: on counts
+        # seeded with fractions, adding one at a time would round differently
+        trials, accepts = self.trials.view(-1).numpy(), self.accepts.view(-1).numpy()
+        for index, (tried_here, accepted_here) in tried.items():
+            trials[index] += tried_here
+            accepts[index] += accepted_here
+        return int(sum(counts[0] for counts in tried.values()))
 
     def seed(self, measured, evidence_trials: float = CALIBRATION_EVIDENCE_TRIALS) -> None:
         """Add what a calibration run measured (``measured``:
@@ -1038,8 +1042,8 @@ class TreeSizer:
 
     def choose(self, tree: HybridTree, score: torch.Tensor | None = None,
                mode: StepMode = StepMode.TREE) -> Choice:
-        """``mode``: the kind of step the tree is verified in (its costs apply); a chain
-        step's tree is a copy chain per request (:func:`vllm_graft.core.chain.build_chains`)."""
+        """``mode``: the kind of step the tree is verified in (its costs apply). A copy-chain
+        step cuts its host chains with :meth:`trim_chains`, which makes the same choice."""
         valid = host_array(tree.valid)
         model = self.acceptance_for(mode)
         conditional = model._optimistic_at(model._bucket(tree.source, tree.depths,

@@ -123,9 +123,12 @@ def walk_chains(roots: list[int], copied: list[list[int]], matrix: SuccessorMatr
     as the tensor path keeps them."""
     if length < 0 or (max_walk is not None and max_walk < 0):
         raise ValueError(f"chain length and max_walk must be >= 0, got {length}, {max_walk}")
-    if len(copied) != len(roots):
-        raise ValueError(f"walk_chains needs one copied continuation per root, got "
-                         f"{len(copied)} for {len(roots)}")
+    if len(copied) != len(roots) or (copied_scores is not None
+                                     and len(copied_scores) != len(roots)):
+        raise ValueError(f"walk_chains needs one copied continuation and score per root, "
+                         f"got {len(copied)} and "
+                         f"{'none' if copied_scores is None else len(copied_scores)} "
+                         f"for {len(roots)}")
     tokens = [[root] + list(prefix[:length]) for root, prefix in zip(roots, copied)]
     num_copied = [len(row) - 1 for row in tokens]
     walks = length if max_walk is None else min(max_walk, length)

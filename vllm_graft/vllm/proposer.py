@@ -187,8 +187,10 @@ class SettledRows:
 
     rows: flattened-batch rows in position order; next_tokens: the token at position
     + 1 of each row; first_position / first_token: position and token of rows[0];
-    decoding: whether the rows are a decoding step's (one row, or a verified tree's
-    accepted path) rather than a prompt's chunk."""
+    decoding: whether the rows are a decoding step's (one row, or a verified tree's or
+    chain's accepted path) rather than a prompt's chunk; a request that does not draft
+    next step keeps a decoding step's rows for its next tree, and a prompt's chunk is
+    fed at once."""
 
     batch_row: int
     rows: list[int]

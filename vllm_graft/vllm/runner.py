@@ -221,8 +221,9 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
     When that sample is the plain argmax at every row (:func:`argmax_is_the_sample`:
     a greedy batch with no logit-editing option), one top-k pass over the tree rows'
     logits gives both the walk (its first column) and the successor matrix's lesson,
-    with no per-level sampler call. vLLM's chain rejection sampler is never used (its
-    CPU path is not lossless in 0.32).
+    with no per-level sampler call; a step whose drafts are all chains does that over
+    host lists (:func:`_sample_chains`). vLLM's chain rejection sampler is never used
+    (its CPU path is not lossless in 0.32).
     """
     step: GraftStep = runner._graft_step
     sampling_metadata = runner.input_batch.sampling_metadata
@@ -343,7 +344,7 @@ def _sample_chains(runner, logits: torch.Tensor, spec_decode_metadata,
                          for count in accepted]
         step: GraftStep = runner._graft_step
         step.result = AcceptanceResult(
-            accepted_rows=torch.tensor(accepted_rows, dtype=torch.long).view(-1, width - 1),
+            accepted_rows=torch.tensor(accepted_rows, dtype=torch.long),
             output_tokens=output.long(), num_accepted=torch.tensor(accepted))
         stats.counts["verified_trees"] += len(trees)
         stats.counts["verified_nodes"] += sum(len(t.tree.draft_tokens) for t in trees)
