@@ -231,35 +231,37 @@ class CostModel:
     def _to_tensor(values: np.ndarray, like: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(np.asarray(values, dtype=np.float64)).to(like.device)
 
-    def _verify_ms(self, batch: int, total_tokens: np.ndarray) -> np.ndarray:
+    def _neighbours(self, batch: int) -> tuple[int, int, float]:
+        """The measured batch sizes whose curves give the forward's time at ``batch``:
+        ``(lower, upper, weight of upper)``; one size twice (weight 0) at or past the
+        ends of the measured sizes, or where ``batch`` was measured itself."""
         sizes = sorted(self.curves)
         if batch <= sizes[0] or batch >= sizes[-1]:
             nearest = sizes[0] if batch <= sizes[0] else sizes[-1]
-            return self._curve_ms(nearest, total_tokens)
+            return nearest, nearest, 0.0
         upper = next(s for s in sizes if s >= batch)
         lower = max(s for s in sizes if s <= batch)
+        if upper == lower:
+            return lower, lower, 0.0
+        return lower, upper, (batch - lower) / (upper - lower)
+
+    def _verify_ms(self, batch: int, total_tokens: np.ndarray) -> np.ndarray:
+        lower, upper, weight = self._neighbours(batch)
         if upper == lower:
             return self._curve_ms(lower, total_tokens)
         # same tokens per request on both neighbouring curves, then linear in batch
         per_request = total_tokens / batch
         low = self._curve_ms(lower, per_request * lower)
         high = self._curve_ms(upper, per_request * upper)
-        weight = (batch - lower) / (upper - lower)
         return low + weight * (high - low)
 
     def _verify_point_ms(self, batch: int):
         """:meth:`_verify_ms` at ``batch`` as a function of one point's total tokens, in
         plain Python (the same arithmetic in the same order); the curves it reads are
         chosen once."""
-        sizes = sorted(self.curves)
-        if batch <= sizes[0] or batch >= sizes[-1]:
-            nearest = sizes[0] if batch <= sizes[0] else sizes[-1]
-            return lambda total_tokens: self._curve_point_ms(nearest, total_tokens)
-        upper = next(s for s in sizes if s >= batch)
-        lower = max(s for s in sizes if s <= batch)
+        lower, upper, weight = self._neighbours(batch)
         if upper == lower:
             return lambda total_tokens: self._curve_point_ms(lower, total_tokens)
-        weight = (batch - lower) / (upper - lower)
 
         def interpolated(total_tokens: float) -> float:
             per_request = total_tokens / batch

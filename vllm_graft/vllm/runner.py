@@ -235,9 +235,10 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
         return runner.sampler(logits=logits, sampling_metadata=sampling_metadata)
     stats: GraftStats = runner._graft_stats
     start = device_clock(logits.device)
-    if (step is None or step.plan is None) and _walks_as_chains(trees, num_draft_tokens) \
+    chains = {t.batch_row: t for t in trees}
+    if (step is None or step.plan is None) and _walks_as_chains(chains, num_draft_tokens) \
             and argmax_is_the_sample(sampling_metadata):
-        return _sample_chains(runner, logits, spec_decode_metadata, trees, start)
+        return _sample_chains(runner, logits, spec_decode_metadata, trees, chains, start)
     device = logits.device
     num_sampled = torch.as_tensor(num_draft_tokens, device=device) + 1
     starts = torch.cumsum(num_sampled, 0) - num_sampled  # first logits row per request
@@ -290,11 +291,10 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
     return SamplerOutput(sampled_token_ids=output.to(torch.int32), logprobs_tensors=logprobs)
 
 
-def _walks_as_chains(trees: list[VerifiedTree], num_draft_tokens: list[int]) -> bool:
-    """Whether every request that carries drafts carries one of our chains, whole:
-    then its logits rows are the chain's rows, in order, and :func:`_sample_chains`
-    applies."""
-    chains = {t.batch_row: t for t in trees}
+def _walks_as_chains(chains: dict[int, VerifiedTree], num_draft_tokens: list[int]) -> bool:
+    """Whether every request that carries drafts carries one of our chains (``chains``:
+    the step's verified trees by batch row), whole: then its logits rows are the
+    chain's rows, in order, and :func:`_sample_chains` applies."""
     for row, drafts in enumerate(num_draft_tokens):
         chain = chains.get(row)
         if chain is None and drafts:
@@ -305,7 +305,8 @@ def _walks_as_chains(trees: list[VerifiedTree], num_draft_tokens: list[int]) -> 
 
 
 def _sample_chains(runner, logits: torch.Tensor, spec_decode_metadata,
-                   trees: list[VerifiedTree], start: float) -> SamplerOutput:
+                   trees: list[VerifiedTree], chains: dict[int, VerifiedTree],
+                   start: float) -> SamplerOutput:
     """:func:`sample_with_trees` for a greedy step whose drafts are all chains (copy
     chains, or no drafts at all), walked on the host: one top-k pass over every logits
     row gives each row's argmax (what plain decoding emits there) and the successor
@@ -323,7 +324,6 @@ def _sample_chains(runner, logits: torch.Tensor, spec_decode_metadata,
     # plain decoding reads each request's one row too: that share is not Graft's
     level_zero_seconds = (device_clock(device) - pass_start) * len(num_draft_tokens) \
         / max(len(best), 1)
-    chains = {t.batch_row: t for t in trees}
     drafts = [chains[row].tree.draft_tokens if row in chains else []
               for row in range(len(num_draft_tokens))]
     accepted = greedy_chain_walk_lists(drafts, best)
@@ -376,11 +376,18 @@ def _learn_every_row(runner, logits: torch.Tensor, spec_decode_metadata,
     if padding_rows:
         tokens[torch.tensor(padding_rows, device=tokens.device)] = -1
     num_draft_tokens = spec_decode_metadata.num_draft_tokens
-    partitions = drafter.partitions(runner, runner.input_batch.req_ids[:len(num_draft_tokens)])
-    if partitions is not None:  # each request teaches its own matrix (graft.isolation)
-        partitions = partitions.repeat_interleave(torch.tensor(
-            [drafts + 1 for drafts in num_draft_tokens], device=partitions.device))
+    partitions = _row_partitions(runner, [drafts + 1 for drafts in num_draft_tokens])
     drafter.matrix.update_from_logits_(tokens, logits, None, partitions, next_tokens=row_topk)
+
+
+def _row_partitions(runner, counts: list[int]) -> torch.Tensor | None:
+    """The matrix partition each learned row teaches: request ``b``'s, repeated for its
+    ``counts[b]`` rows (None: every request shares partition 0)."""
+    partitions = runner.drafter.partitions(runner, runner.input_batch.req_ids[:len(counts)])
+    if partitions is None:
+        return None
+    # each request teaches its own matrix (graft.isolation)
+    return partitions.repeat_interleave(torch.tensor(counts, device=partitions.device))
 
 
 def _walk_with_sampler(runner, tree: HybridTree, logits: torch.Tensor, starts: torch.Tensor,
@@ -467,10 +474,7 @@ def _learn(runner, logits, spec_decode_metadata, starts, trees, row_topk=None) -
     if row_topk is not None:
         known = row_topk.flatten(0, 1)[torch.tensor(topk_rows, device=row_topk.device)]
     drafter = runner.drafter
-    partitions = drafter.partitions(runner, runner.input_batch.req_ids[:batch])
-    if partitions is not None:  # each request teaches its own matrix (graft.isolation)
-        partitions = partitions.repeat_interleave(
-            torch.tensor(counts, device=partitions.device))
+    partitions = _row_partitions(runner, counts)
     drafter.matrix.update_from_logits_(tokens, logits, torch.tensor(rows, device=device),
                                        partitions, next_tokens=known)
 
