@@ -31,7 +31,11 @@ CUDA_SOURCES = ["csrc/ops_cuda.cpp", "csrc/kernels/successor_kernels.cu",
 
 # The C++ standard of torch-including sources is left to torch, which passes
 # the one its headers require. The CUDA kernels are torch-free C++17.
-CXX_FLAGS = ["-O3"]
+# -fopenmp: ATen's parallel_for is a header template that runs its loop on torch's
+# intra-op threads only where the including source is compiled with OpenMP; without
+# it every CPU kernel here runs on one thread (torch links the OpenMP runtime itself).
+CXX_FLAGS = ["-O3", "-fopenmp"]
+LINK_FLAGS = ["-fopenmp"]
 NVCC_FLAGS = ["-O3", "-std=c++17"]
 
 
@@ -63,11 +67,13 @@ def compiled_ops_extension():
             sources=CPU_SOURCES + CUDA_SOURCES,
             define_macros=[("VLLM_GRAFT_WITH_CUDA", None)],
             extra_compile_args={"cxx": CXX_FLAGS, "nvcc": NVCC_FLAGS},
+            extra_link_args=LINK_FLAGS,
         )
     return CppExtension(
         name="vllm_graft._C",
         sources=CPU_SOURCES,
         extra_compile_args={"cxx": CXX_FLAGS},
+        extra_link_args=LINK_FLAGS,
     )
 
 

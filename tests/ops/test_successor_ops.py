@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -369,8 +370,14 @@ def test_missing_extension_error_says_how_to_build():
         "else:\n"
         "    raise SystemExit('importing vllm_graft.ops did not fail')\n"
     )
+    run_python(script)
+
+
+def run_python(script: str) -> str:
+    """``script``'s standard output in a fresh interpreter, which must exit 0."""
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+    return result.stdout
 
 
 @pytest.mark.skipif(shutil.which("ldd") is None, reason="ldd (Linux) is needed to read links")
@@ -385,3 +392,30 @@ def test_extension_links_libstdcxx_dynamically():
     assert "libstdc++" in links, (
         f"{extension.__file__} does not link libstdc++ dynamically; rebuild with a compiler "
         f"that does (CXX=/usr/bin/g++ LDSHARED='/usr/bin/g++ -shared'):\n{links}")
+
+
+@pytest.mark.skipif(shutil.which("nm") is None, reason="nm (binutils) is needed to read symbols")
+def test_cpu_kernels_are_built_to_run_on_torch_threads():
+    # ATen's parallel_for is a header template: its loop runs on torch's intra-op threads
+    # only where the including source is compiled with OpenMP. Built without it, every
+    # CPU kernel here ran on one thread (the top-k pass over a chain step's logits rows
+    # took about twice as long on 2 cores).
+    import vllm_graft._C as extension
+
+    symbols = subprocess.run(["nm", "-D", "--undefined-only", extension.__file__],
+                             capture_output=True, text=True, check=True).stdout
+    assert "GOMP_parallel" in symbols, (
+        f"{extension.__file__} was built without OpenMP (no GOMP_parallel import): "
+        f"setup.py must pass -fopenmp to the C++ compiler and linker")
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps")
+def test_ops_share_torchs_openmp_runtime():
+    # The extension names libgomp.so.1 as torch does; the loader must reuse the copy torch
+    # loaded (one thread pool), not add the compiler's own beside it.
+    loaded = run_python(
+        "import torch, vllm_graft.ops as ops\n"
+        "ops.logits_topk(torch.randn(64, 4096), 4)\n"
+        "paths = {line.split()[-1] for line in open('/proc/self/maps') if 'libgomp' in line}\n"
+        "print(len(paths), sorted(paths))\n")
+    assert loaded.split()[0] in ("0", "1"), loaded
