@@ -216,6 +216,39 @@ def test_a_calibrations_measured_rates_seed_the_model_as_capped_evidence():
         AcceptanceModel(score_buckets=2).seed(_tally())
 
 
+
+def test_what_a_model_learned_is_a_tally_that_seeds_another_model():
+    """:meth:`AcceptanceModel.learned` gives the counts beyond the prior per source,
+    depth and score bucket (a calibration's ``chain_acceptance``); seeding a fresh model
+    with it gives each class the learned rate, weighing at most the calibration cap."""
+    from vllm_graft.core.budget import CALIBRATION_EVIDENCE_TRIALS
+
+    learner = AcceptanceModel()
+    assert learner.learned().sources == {}
+    # copy chains: 50 copied first nodes (40 accepted), 3 walked second nodes (1 accepted)
+    chains = [([SOURCE_CONTEXT, SOURCE_RETRIEVED], [0.9, -1.0], 2 if i < 1 else 1 if i < 40
+               else 0, 0) for i in range(50)]
+    chains[40:43] = [([SOURCE_CONTEXT, SOURCE_RETRIEVED], [0.9, -1.0], 1, 0)] * 3
+    learner.observe_chains(chains)
+    tally = learner.learned()
+    assert set(tally.sources) == {"context", "retrieved"}
+    copied, walked = tally.sources["context"], tally.sources["retrieved"]
+    assert sum(copied.trials[0]) == 50 and sum(copied.accepts[0]) == 43
+    assert len(walked.trials) == 2 and sum(walked.trials[0]) == 0
+    assert sum(walked.trials[1]) == 43 and sum(walked.accepts[1]) == 1
+
+    def rate(model, source, depth, score):
+        return model.conditional(torch.tensor([source]), torch.tensor([depth]),
+                                 torch.tensor([score])).item()
+    seeded = AcceptanceModel()
+    seeded.seed(tally)
+    cap = CALIBRATION_EVIDENCE_TRIALS
+    assert rate(seeded, SOURCE_CONTEXT, 1, 0.9) == pytest.approx((1 + cap * 43 / 50) / (4 + cap))
+    assert rate(seeded, SOURCE_RETRIEVED, 2, -1.0) == pytest.approx((1 + cap / 43) / (4 + cap))
+    assert rate(seeded, SOURCE_DRAFT, 1, 0.9) == pytest.approx(0.25)  # never tried
+    with pytest.raises(ValueError, match="learned"):
+        seeded.learned()  # a seeded model's counts are not whole trials of its own
+
 def test_a_seeded_sizer_keeps_the_nodes_its_calibration_found_likely_from_the_start():
     """A node must be accepted more than half the time to pay for its verification on
     this curve: the cold sizer, at its prior, verifies nothing; seeded by a calibration

@@ -62,6 +62,10 @@ def test_roundtrip_and_config_check(tmp_path):
      "calibration.acceptance: every depth of source 'both' needs 4 score buckets"),
     (lambda d: d.update(acceptance={"score_buckets": 2, "sources": {}}),
      "calibration.acceptance.score_buckets: 2 score buckets, but the acceptance model has 4"),
+    (lambda d: d.update(chain_acceptance=_tally(context={"trials": [[3, 0, 0, 0]],
+                                                          "accepts": [[5, 0, 0, 0]]})),
+     "calibration.chain_acceptance.sources.context: at depth 1, score bucket 0, 5 accepts "
+     "exceed 3"),
 ])
 def test_malformed_fields_are_named(tmp_path, edit, field):
     data = _valid()
@@ -90,11 +94,15 @@ def test_tally_counts_the_nodes_whose_parent_was_accepted():
 
 
 def test_a_calibration_keeps_its_acceptance_and_older_files_have_none(tmp_path):
-    assert load_calibration(_write(tmp_path, _valid())).acceptance is None
+    older = load_calibration(_write(tmp_path, _valid()))
+    assert older.acceptance is None and older.chain_acceptance is None
     data = {**_valid(), "acceptance": _tally(draft={"trials": [[10, 0, 0, 2], [4, 0, 0, 0]],
-                                                    "accepts": [[6, 0, 0, 1], [1, 0, 0, 0]]})}
+                                                    "accepts": [[6, 0, 0, 1], [1, 0, 0, 0]]}),
+            "chain_acceptance": _tally(context={"trials": [[0, 0, 0, 9]],
+                                                "accepts": [[0, 0, 0, 7]]})}
     cal = load_calibration(_write(tmp_path, data))
     assert cal.acceptance.sources["draft"].trials == ((10, 0, 0, 2), (4, 0, 0, 0))
+    assert cal.chain_acceptance.sources["context"].accepts == ((0, 0, 0, 7),)
     cal.save(tmp_path / "again.json")
     assert load_calibration(tmp_path / "again.json") == cal
 

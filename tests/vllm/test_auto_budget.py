@@ -285,6 +285,32 @@ def tree_model_counts(worker) -> dict:
     return {"tree": tree.tolist(), "chain": float(chain.sum())}
 
 
+def tiny_calibration(tiny_models, directory, **tallies) -> str:
+    """A calibration file for the tiny models holding ``tallies`` (``acceptance``,
+    ``chain_acceptance``), as ``vllm-graft calibrate`` writes one; its path."""
+    from vllm_graft.core.calibration import Calibration, ModelIdentity, fingerprint_model
+
+    path = directory / "calib.json"
+    Calibration(
+        format_version=1, checkpoints=(0, 1, 5), thresholds=(0.0, 0.0, 0.0), budget=60,
+        draft_keep=(8, 24, 40), template="best_first",
+        target=ModelIdentity(name="tiny", fingerprint=fingerprint_model(tiny_models.target)),
+        drafter=ModelIdentity(name="head", fingerprint=fingerprint_model(tiny_models.head)),
+        warmup_corpus_sha256="0" * 64, **tallies).save(path)
+    return str(path)
+
+
+def assert_seeded_by(tally, counts) -> None:
+    """``counts`` (an acceptance model's trials beyond its prior, per source, depth and
+    score bucket) are ``tally``'s, each capped at the calibration's evidence."""
+    from vllm_graft.core.budget import CALIBRATION_EVIDENCE_TRIALS, SOURCE_NAMES
+
+    for name, measured in tally.sources.items():
+        for depth, tried in enumerate(measured.trials):
+            expected = [min(n, CALIBRATION_EVIDENCE_TRIALS) for n in tried]
+            assert counts[SOURCE_NAMES.index(name)][depth] == expected, (name, depth)
+
+
 def test_a_calibration_of_recorded_trees_seeds_the_sizer(tiny_models, plain_outputs, tmp_path,
                                                           monkeypatch):
     """The calibration's tally of an engine's verified trees (as ``vllm-graft calibrate``
@@ -294,9 +320,7 @@ def test_a_calibration_of_recorded_trees_seeds_the_sizer(tiny_models, plain_outp
     copy chains' model stays at its prior; greedy output stays identical."""
     from vllm import SamplingParams
 
-    from vllm_graft.core.budget import CALIBRATION_EVIDENCE_TRIALS, SOURCE_NAMES
-    from vllm_graft.core.calibration import (Calibration, ModelIdentity, fingerprint_model,
-                                             tally_acceptance)
+    from vllm_graft.core.calibration import tally_acceptance
     from vllm_graft.vllm.rpc import start_tree_recording, take_tree_records
 
     monkeypatch.setenv("VLLM_GRAFT_CACHE", str(tmp_path))
@@ -318,20 +342,51 @@ def test_a_calibration_of_recorded_trees_seeds_the_sizer(tiny_models, plain_outp
     # drafter's odds (this tiny head's are all low), none at the unknown score's bucket
     assert sum(1 for bucket in zip(*tally.sources["retrieved"].trials) if any(bucket)) > 1
     assert not any(counts[2] for counts in tally.sources["draft"].trials)
-    calibration = Calibration(
-        format_version=1, checkpoints=(0, 1, 5), thresholds=(0.0, 0.0, 0.0), budget=60,
-        draft_keep=(8, 24, 40), template="best_first",
-        target=ModelIdentity(name="tiny", fingerprint=fingerprint_model(tiny_models.target)),
-        drafter=ModelIdentity(name="head", fingerprint=fingerprint_model(tiny_models.head)),
-        warmup_corpus_sha256="0" * 64, acceptance=tally)
-    calibration.save(tmp_path / "calib.json")
-
-    spec = graft_spec(tiny_models.head, budget="auto", calibration=str(tmp_path / "calib.json"))
+    spec = graft_spec(tiny_models.head, budget="auto",
+                      calibration=tiny_calibration(tiny_models, tmp_path, acceptance=tally))
     with running_llm(tiny_models.target, spec) as llm:
         seeded = llm.collective_rpc(tree_model_counts)[0]
         assert_greedy_identical(llm, PROMPTS[:4], plain_outputs[:4], MAX_TOKENS)
-    for name, counts in tally.sources.items():
-        for depth, tried in enumerate(counts.trials):
-            expected = [min(n, CALIBRATION_EVIDENCE_TRIALS) for n in tried]
-            assert seeded["tree"][SOURCE_NAMES.index(name)][depth] == expected, (name, depth)
+    assert_seeded_by(tally, seeded["tree"])
     assert seeded["chain"] == 0
+
+
+def chain_model_counts(worker) -> list:
+    """The copy chains' acceptance model beyond its prior: trials per (source, depth,
+    score bucket)."""
+    model = worker.model_runner.drafter.sizer.chain_acceptance
+    return (model.trials - model.prior_trials).tolist()
+
+
+def test_a_chain_runs_learned_odds_seed_the_next_engines_chain_model(
+        tiny_models, plain_outputs, tmp_path, monkeypatch):
+    """What a chain-only budget-auto engine's chain acceptance model learned (as
+    ``vllm-graft calibrate`` records it: verified and shadow chains) reaches the next
+    engine's chain model through the calibration's ``chain_acceptance``, each class
+    weighing at most its cap, while the tree model stays at its prior; greedy output
+    stays identical."""
+    from vllm import SamplingParams
+
+    from vllm_graft.core.calibration import AcceptanceTally
+    from vllm_graft.vllm.rpc import learned_chain_acceptance
+
+    monkeypatch.setenv("VLLM_GRAFT_CACHE", str(tmp_path))
+    flat_profile(tiny_models.target, tmp_path)
+    chains = graft_spec(tiny_models.head, budget="auto", guard_modes=["chain"])
+    with running_llm(tiny_models.target, chains) as llm:
+        llm.generate(PROMPTS[:3], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS),
+                     use_tqdm=False)
+        tally = AcceptanceTally(**llm.collective_rpc(learned_chain_acceptance)[0])
+    # copy chains: copied nodes, and the matrix's walk after them (retrieved)
+    assert set(tally.sources) <= {"context", "retrieved"}, tally.sources
+    copied = tally.sources["context"]
+    assert sum(map(sum, copied.trials)) > 0 and sum(map(sum, copied.accepts)) > 0
+    spec = graft_spec(tiny_models.head, budget="auto",
+                      calibration=tiny_calibration(tiny_models, tmp_path, chain_acceptance=tally))
+    with running_llm(tiny_models.target, spec) as llm:
+        seeded = llm.collective_rpc(chain_model_counts)[0]
+        trees = llm.collective_rpc(tree_model_counts)[0]["tree"]
+        assert_greedy_identical(llm, PROMPTS[:4], plain_outputs[:4], MAX_TOKENS)
+    assert_seeded_by(tally, seeded)
+    assert sum(sum(map(sum, source)) for source in seeded) > 0
+    assert not any(any(map(any, source)) for source in trees), "the tree model is unseeded"

@@ -14,6 +14,9 @@
    on) tallies its verified trees' nodes per source and depth (tried and accepted): the
    file's ``acceptance``, which seeds ``budget: "auto"``'s acceptance model with the odds
    of the trees it will size.
+5. A budget-auto run held to copy chains gives what its chain acceptance model learned
+   (verified chains and the whole chains it built): the file's ``chain_acceptance``,
+   which seeds that model, a population of its own.
 
 ``--variant tail`` calibrates Graft-TAIL chains of ``--budget`` tokens the same way:
 unpruned chains record the cumulative confidence after each draft step and how many
@@ -84,11 +87,27 @@ def run_calibration(model: str, head: str, out: Path, *, warmup: str | None, rou
                                      config.max_depth, draft_cost=draft_cost)
     product = graft_config_dict(head, budget=budget, thresholds=list(thresholds), **extra)
     _, verified = _recorded_run(model, product, rendered, params, dtype, max_model_len)
+    chains = graft_config_dict(head, budget="auto", guard_modes=["chain"], **extra)
     return _save_calibration(
         out, model, head, prompts, warmup, rounds, start, fit, kept_mean,
         checkpoints=config.checkpoints, thresholds=thresholds, budget=config.budget,
         draft_keep=config.draft_keep, template="best_first",
-        acceptance=tally_acceptance(verified))
+        acceptance=tally_acceptance(verified),
+        chain_acceptance=_learned_chain_acceptance(model, chains, rendered, params, dtype,
+                                                   max_model_len))
+
+
+def _learned_chain_acceptance(model: str, spec: dict, rendered, params, dtype: str,
+                              max_model_len: int):
+    """Copy chains' odds: what a chain-only budget-auto engine's chain acceptance model
+    learned over the prompts, from the chains it verified and from the whole chains it
+    built (its shadow chains, so nodes its sizer cut are measured too)."""
+    from vllm_graft.core.calibration import AcceptanceTally
+    from vllm_graft.vllm.rpc import learned_chain_acceptance
+
+    with engine(model, spec, dtype=dtype, max_model_len=max_model_len) as llm:
+        llm.generate(rendered, params, use_tqdm=True)
+        return AcceptanceTally(**llm.collective_rpc(learned_chain_acceptance)[0])
 
 
 def _recorded_run(model: str, spec: dict, rendered, params, dtype: str, max_model_len: int

@@ -409,6 +409,7 @@ class AcceptanceModel:
     explore: float = 1.0
     accepts: torch.Tensor = field(init=False)
     trials: torch.Tensor = field(init=False)
+    seeded: bool = field(default=False, init=False)  # by a calibration (:meth:`seed`)
 
     def __post_init__(self):
         shape = (len(SOURCE_NAMES), self.max_depth, self.score_buckets)
@@ -525,6 +526,23 @@ class AcceptanceModel:
                 weight = np.minimum(tried, evidence_trials)
                 trials[source, depth] += weight
                 accepts[source, depth] += weight * accepted / np.maximum(tried, 1.0)
+        self.seeded = True
+
+    def learned(self):
+        """What this model counted beyond its prior, as a calibration tally
+        (:class:`~vllm_graft.core.calibration.AcceptanceTally`) that :meth:`seed` reads:
+        per source, the depths up to its deepest tried one. Only for a model that was
+        not seeded itself (its counts above the prior are whole trials), so that a
+        calibration run can hand what serving's online model learned to the next
+        engine's, e.g. the copy chains' odds, which no recorded tree holds."""
+        from vllm_graft.core.calibration import AcceptanceTally
+
+        if self.seeded:
+            raise ValueError("AcceptanceModel.learned: this model was seeded by a "
+                             "calibration; its counts are not all its own trials")
+        trials = np.rint(self.trials.numpy() - self.prior_trials).astype(np.int64)
+        accepts = np.rint(self.accepts.numpy() - self.prior_accepts).astype(np.int64)
+        return AcceptanceTally.of_counts(trials, accepts)
 
 
 #: :func:`source_classes` of every tag value (bits 1, 2, 4 and 8), read with one index

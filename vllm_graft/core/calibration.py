@@ -82,6 +82,22 @@ class AcceptanceTally(BaseModel):
                              f"{AcceptanceModel.score_buckets}; recalibrate")
         return v
 
+    @classmethod
+    def of_counts(cls, trials: np.ndarray, accepts: np.ndarray) -> AcceptanceTally:
+        """The tally of integer counts shaped as the acceptance model's (source class,
+        depth, score bucket): per source, the depths up to its deepest tried one."""
+        from vllm_graft.core.budget import SOURCE_NAMES
+
+        sources = {}
+        for name, tried, accepted in zip(SOURCE_NAMES, trials, accepts):
+            measured = np.flatnonzero(tried.sum(1))
+            if measured.size:
+                depths = int(measured[-1]) + 1
+                sources[name] = SourceAcceptance(
+                    trials=tuple(map(tuple, tried[:depths].tolist())),
+                    accepts=tuple(map(tuple, accepted[:depths].tolist())))
+        return cls(score_buckets=trials.shape[-1], sources=sources)
+
     @model_validator(mode="after")
     def _buckets(self) -> AcceptanceTally:
         for name, counts in self.sources.items():
@@ -110,6 +126,10 @@ class Calibration(BaseModel):
         None, description="per source and depth, how often the calibration runs' nodes "
         "were accepted: seeds the acceptance model of budget auto (files written before "
         "it was recorded have none, and the model starts from its prior)")
+    chain_acceptance: AcceptanceTally | None = Field(
+        None, description="the same for copy chains' nodes, what a chain-only budget-auto "
+        "run learned (verified and shadow chains): seeds the chain acceptance model, a "
+        "population of its own (files without it leave that model at its prior)")
 
     @field_validator("format_version")
     @classmethod
@@ -329,15 +349,7 @@ def tally_acceptance(records: list[dict]) -> AcceptanceTally:
         trials += np.bincount(where, minlength=trials.size).reshape(shape)
         accepts += np.bincount(where, weights=on_path[tried],
                                minlength=trials.size).astype(np.int64).reshape(shape)
-    sources = {}
-    for name, tried, accepted in zip(SOURCE_NAMES, trials, accepts):
-        measured = np.flatnonzero(tried.sum(1))
-        if measured.size:
-            depths = int(measured[-1]) + 1
-            sources[name] = SourceAcceptance(trials=tuple(map(tuple, tried[:depths].tolist())),
-                                             accepts=tuple(map(tuple,
-                                                               accepted[:depths].tolist())))
-    return AcceptanceTally(score_buckets=score_buckets, sources=sources)
+    return AcceptanceTally.of_counts(trials, accepts)
 
 
 # ---- Graft-TAIL chains ------------------------------------------------------------------

@@ -323,11 +323,14 @@ def _patch_runner() -> list[Patch]:
                 from vllm_graft.core.config import StepMode
                 from vllm_graft.vllm.cost_profile import load_or_measure
 
-                acceptance = AcceptanceModel()
+                acceptance, chain_acceptance = AcceptanceModel(), AcceptanceModel()
                 calibration = self.drafter.settings.calibration
                 if calibration is not None and calibration.acceptance is not None:
                     acceptance.seed(calibration.acceptance)
-                self.drafter.sizer = TreeSizer(load_or_measure(self), acceptance)
+                if calibration is not None and calibration.chain_acceptance is not None:
+                    chain_acceptance.seed(calibration.chain_acceptance)
+                self.drafter.sizer = TreeSizer(load_or_measure(self), acceptance,
+                                               chain_acceptance)
                 config = self.drafter.settings.config
                 if config.auto_guard:
                     self.drafter.guard = ThroughputGuard(modes=config.guard_modes)

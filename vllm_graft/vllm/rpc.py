@@ -52,6 +52,17 @@ def matrix_digest(worker) -> str:
     return hashlib.sha256(table.cpu().numpy().tobytes()).hexdigest()
 
 
+def learned_chain_acceptance(worker) -> dict:
+    """What budget "auto"'s copy-chain acceptance model learned in this engine beyond
+    its prior (verified and shadow chains), as a calibration's ``chain_acceptance``
+    (:meth:`vllm_graft.core.budget.AcceptanceModel.learned`, in JSON form)."""
+    sizer = _proposer(worker).sizer
+    if sizer is None:
+        raise RuntimeError("this Graft engine does not run budget \"auto\" (no chain "
+                           "acceptance model)")
+    return sizer.chain_acceptance.learned().model_dump(mode="json")
+
+
 def start_tree_recording(worker) -> None:
     """Record every verified tree (its shape, sources, scores, drafting confidences,
     accepted rows)."""
