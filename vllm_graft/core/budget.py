@@ -778,6 +778,18 @@ class ThroughputGuard:
     plain steps the guard prefers), or that measurement never happens and is asked for
     again at every step.
 
+    A step that took more than ``outlier_steps`` times its mode's mean step at the batch
+    size counts as that long. On a CPU the first step at a new query length sets up its
+    kernels (oneDNN primitives: a copy-chain step at batch 8 took 690 ms where its mode's
+    steps took 130), and a page-fault storm or another process can stall any step. Such
+    a step is no cost of its mode, yet it falls mostly on the modes whose query lengths
+    vary (chains and trees; plain decoding's shape is fixed per batch size). Counted
+    whole, one such step among a dozen cuts the mode's rate by a third, and holds it down
+    for about ``window`` steps, in which a mode measured slower runs only as a probe: a
+    few unlucky steps early in an engine's life would decide its choice for a long
+    while. A mode's regular dear steps (a tree step feeding the drafter what it missed)
+    stay well inside the cap.
+
     The non-tree modes do not run the drafter; the adapter feeds it the positions it
     missed just before the next tree step, so its cache stays complete.
     """
@@ -789,6 +801,7 @@ class ThroughputGuard:
     noise_floor: float = 0.2
     plain_refresh: int = 16  # 0: never forced
     probe_share: float | None = 0.005  # None: a slower mode runs whenever its bound wins
+    outlier_steps: float | None = 3.0  # None: every step counts as long as it took
     stats: dict[tuple[int, StepMode], _ModeStats] = field(default_factory=dict)
     measured: dict[tuple[int, StepMode], int] = field(default_factory=dict)
     first_seen: dict[int, int] = field(default_factory=dict)  # bucket: guard step
@@ -806,6 +819,9 @@ class ThroughputGuard:
         if self.probe_share is not None and self.probe_share <= 0:
             raise ValueError(f"ThroughputGuard probe_share must be > 0 or None, got "
                              f"{self.probe_share}")
+        if self.outlier_steps is not None and self.outlier_steps <= 1:
+            raise ValueError(f"ThroughputGuard outlier_steps must be > 1 or None, got "
+                             f"{self.outlier_steps}")
         if not self.modes or len(set(self.modes)) != len(self.modes):
             raise ValueError(f"ThroughputGuard needs distinct modes, got {self.modes}")
 
@@ -923,12 +939,22 @@ class ThroughputGuard:
             return (self.steps - self.first_seen[bucket]) * self.probe_share >= loss
         return True
 
+    def counted_seconds(self, mode: StepMode, batch: int, seconds: float) -> float:
+        """What a step of ``mode`` at ``batch`` that took ``seconds`` counts as: at most
+        ``outlier_steps`` times the mode's mean step there (class doc)."""
+        stats = self._stats(batch, mode)
+        if self.outlier_steps is None or stats is None or stats.weight < 1.0:
+            return seconds
+        return min(seconds, self.outlier_steps * stats.seconds / stats.weight)
+
     def observe(self, mode: StepMode, batch: int, tokens: int, seconds: float) -> None:
         """One decoding step (no prefill): ``tokens`` emitted by ``batch`` requests in
-        ``seconds``, in the given mode."""
+        ``seconds``, in the given mode. A step longer than ``outlier_steps`` times its
+        mode's mean step there counts as that long (class doc)."""
         if seconds <= 0 or batch <= 0:
             return
         key = (batch_bucket(batch), mode)
+        seconds = self.counted_seconds(mode, batch, seconds)
         stats = self._stats(batch, mode) or _ModeStats(step=self.steps)
         self.stats[key] = _ModeStats(stats.weight + 1.0, stats.tokens + tokens,
                                      stats.tokens_sq + tokens * tokens,

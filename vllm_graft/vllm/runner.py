@@ -678,10 +678,11 @@ def _observe_step(runner, scheduler_output, settled: list[SettledRows] | None,
     batch = len(scheduled) if settled is None else len(settled)
     tokens = batch if settled is None else sum(len(s.next_tokens) for s in settled)
     if proposer.guard is not None:
-        proposer.guard.observe(mode, batch, tokens, seconds)
-    choice = proposer.last_choice  # the measured step's (proposals reset it later)
-    if proposer.scout is not None and mode is StepMode.CHAIN and choice is not None:
-        proposer.scout.observe(choice.step_tokens(batch), choice.step_ms, tokens, seconds)
+        counted = proposer.guard.counted_seconds(mode, batch, seconds)  # a stall capped
+        proposer.guard.observe(mode, batch, tokens, counted)
+        choice = proposer.last_choice  # the measured step's (proposals reset it later)
+        if proposer.scout is not None and mode is StepMode.CHAIN and choice is not None:
+            proposer.scout.observe(choice.step_tokens(batch), choice.step_ms, tokens, counted)
     if forward_ms is not None:
         nodes = max(scheduler_output.total_num_scheduled_tokens - batch, 0)
         cost = proposer.sizer.cost
