@@ -216,7 +216,6 @@ def test_a_calibrations_measured_rates_seed_the_model_as_capped_evidence():
         AcceptanceModel(score_buckets=2).seed(_tally())
 
 
-
 def test_what_a_model_learned_is_a_tally_that_seeds_another_model():
     """:meth:`AcceptanceModel.learned` gives the counts beyond the prior per source,
     depth and score bucket (a calibration's ``chain_acceptance``); seeding a fresh model
@@ -225,11 +224,11 @@ def test_what_a_model_learned_is_a_tally_that_seeds_another_model():
 
     learner = AcceptanceModel()
     assert learner.learned().sources == {}
-    # copy chains: 50 copied first nodes (40 accepted), 3 walked second nodes (1 accepted)
-    chains = [([SOURCE_CONTEXT, SOURCE_RETRIEVED], [0.9, -1.0], 2 if i < 1 else 1 if i < 40
-               else 0, 0) for i in range(50)]
-    chains[40:43] = [([SOURCE_CONTEXT, SOURCE_RETRIEVED], [0.9, -1.0], 1, 0)] * 3
-    learner.observe_chains(chains)
+    # 50 copy chains, a copied node then a walked one: 43 copied nodes accepted, so 43
+    # walked nodes tried, 1 of them accepted
+    accepted = [2] + [1] * 42 + [0] * 7
+    learner.observe_chains([([SOURCE_CONTEXT, SOURCE_RETRIEVED], [0.9, -1.0], count, 0)
+                            for count in accepted])
     tally = learner.learned()
     assert set(tally.sources) == {"context", "retrieved"}
     copied, walked = tally.sources["context"], tally.sources["retrieved"]
@@ -248,6 +247,7 @@ def test_what_a_model_learned_is_a_tally_that_seeds_another_model():
     assert rate(seeded, SOURCE_DRAFT, 1, 0.9) == pytest.approx(0.25)  # never tried
     with pytest.raises(ValueError, match="learned"):
         seeded.learned()  # a seeded model's counts are not whole trials of its own
+
 
 def test_a_seeded_sizer_keeps_the_nodes_its_calibration_found_likely_from_the_start():
     """A node must be accepted more than half the time to pay for its verification on
@@ -593,7 +593,6 @@ def test_throughput_guard_is_not_fooled_by_the_noise_of_speculative_yields(seed)
     assert modes.count(chain) > 0.85 * len(modes)
     best = 1.5 / 1.15
     assert achieved > 0.93 * best, (achieved, best)
-
 
 
 @pytest.mark.parametrize("outlier_steps, chains_win", [(3.0, True), (None, False)])
