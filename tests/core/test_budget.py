@@ -626,6 +626,37 @@ def test_one_stalled_step_does_not_hold_a_faster_mode_down(outlier_steps, chains
         ThroughputGuard(outlier_steps=1.0)
 
 
+@pytest.mark.parametrize("credit_median, rows, chains_win", [
+    (True, [5, 5, 1, 1, 1, 1, 1, 1], False),  # two requests gain: the batch does not
+    (False, [5, 5, 1, 1, 1, 1, 1, 1], True),  # summed, 16 tokens look 1.54x plain
+    (True, [2, 2, 2, 2, 2, 2, 2, 1], True),  # the typical request gains
+])
+def test_a_batch_speculates_where_its_median_request_gains(credit_median, rows, chains_win):
+    """At batch 8 a chain step takes 1.3 plain steps. Where two requests emit 5 tokens
+    and six emit one, the summed 16 tokens are 1.54x plain decoding's rate, but the
+    median request emits one token at a dearer step: credited so, chains measure 0.77x
+    plain and the guard decodes plainly; summed, it runs chains. Where every request but
+    one emits two tokens, chains win either way."""
+    from vllm_graft.core.budget import ThroughputGuard
+    from vllm_graft.core.config import StepMode
+
+    chain, plain = StepMode.CHAIN, StepMode.PLAIN
+    guard = ThroughputGuard(modes=(chain, plain), credit_median=credit_median)
+    modes = []
+    for _ in range(300):
+        mode = guard.choose(8)
+        modes.append(mode)
+        if mode is chain:
+            guard.observe(chain, 8, guard.credited_tokens(rows), seconds=0.013)
+        else:
+            guard.observe(plain, 8, guard.credited_tokens([1] * 8), seconds=0.010)
+    assert (guard.preferred(8) is chain) == chains_win
+    share = modes[100:].count(chain) / len(modes[100:])
+    assert share > 0.85 if chains_win else share < 0.1, share
+    assert guard.credited_tokens([3]) == 3.0  # one request: its own tokens
+    assert guard.credited_tokens([]) == 0.0
+
+
 @pytest.mark.parametrize("seed", range(2))
 def test_where_plain_decoding_is_fastest_exploring_costs_about_one_percent(seed):
     """Batch 32 on this repository's CPU, as a guard trace measured it: a copy-chain
@@ -700,6 +731,8 @@ def test_the_chain_scout_finds_text_that_copies_its_context_within_a_short_batch
     scout = ChainScout() if scouting else None
     run_scouted(guard, scout, chain_rate=0.84, predicted_rate=1.2, steps=16)
     assert guard.preferred(batch) is StepMode.PLAIN
+    if scout is not None:
+        scout.text_changed()  # the edit requests join the batch
     edits, rate = run_scouted(guard, scout, chain_rate=1.16, predicted_rate=1.6, steps=64)
     if not scouting:  # the guard alone misses most of the gain
         assert edits[:40].count(chain) == 0 and rate < 1.08 * batch, (edits, rate / batch)
@@ -772,21 +805,57 @@ def test_copied_prefix_scores_chains_as_a_greedy_verification_would():
 
 
 def test_chain_scout_looks_every_few_plain_steps_and_at_each_while_chains_promise():
+    """Every ``every`` plain steps at first; each look that does not promise doubles the
+    steps to the next (up to ``max_every``), one that promises looks at every plain step
+    and brings them back to ``every``, and so does a request joining the batch."""
     from vllm_graft.core.budget import ChainScout
 
-    scout = ChainScout(every=4, margin=0.1)
-    assert [scout.due() for _ in range(8)] == [False, False, False, True] * 2
+    def looks(steps: int) -> list[int]:
+        return [i + 1 for i in range(steps) if scout.due()]
+
+    scout = ChainScout(every=4, margin=0.1, max_every=16)
+    assert looks(8) == [4, 8]
     assert scout.correction() == 1.0  # nothing measured yet
     assert not scout.promising(30.0, 1000.0, plain_rate=None)  # plain not measured yet
     assert not scout.promising(32.0, 1000.0, plain_rate=30.0)  # 1.07x: within the margin
+    assert looks(16) == [16]  # two looks found nothing: 16 steps to the next
     assert scout.promising(34.0, 1000.0, plain_rate=30.0)
-    assert [scout.due() for _ in range(3)] == [True] * 3  # looks at every plain step
+    assert looks(3) == [1, 2, 3]  # looks at every plain step
     scout.observe(34.0, 1000.0, tokens=17, seconds=2.0)  # half the tokens in twice the time
     assert scout.correction() == pytest.approx(0.25)
     assert not scout.promising(34.0, 1000.0, plain_rate=30.0)
-    assert [scout.due() for _ in range(4)] == [False, False, False, True]
+    assert looks(8) == [8]  # back to every 4, doubled by this look
+    for _ in range(3):
+        scout.promising(34.0, 1000.0, plain_rate=30.0)
+    assert looks(32) == [16, 32]  # never more than max_every apart
+    scout.text_changed()
+    assert looks(4) == [4]
     with pytest.raises(ValueError, match="every"):
         ChainScout(every=0)
+    with pytest.raises(ValueError, match="max_every"):
+        ChainScout(every=8, max_every=4)
+
+
+def test_on_chat_the_chain_scout_looks_ever_more_rarely():
+    """A look builds the batch's chains (about 1 ms at batch 8 on a 2-core CPU, 4 % of
+    a plain step). On 2,000 steps of chat at batch 32, where chains never pay, the
+    scout looks about once in ``max_every`` plain steps once its looks stop promising,
+    not once in ``every``."""
+    from vllm_graft.core.budget import ChainScout, ThroughputGuard
+    from vllm_graft.core.config import StepMode
+
+    guard, scout = ThroughputGuard(modes=(StepMode.CHAIN, StepMode.PLAIN)), ChainScout()
+    counted = []
+    original = scout.promising
+
+    def promising(*args):
+        counted.append(1)
+        return original(*args)
+
+    scout.promising = promising
+    run_scouted(guard, scout, chain_rate=0.84, predicted_rate=1.2, steps=2000)
+    assert len(counted) < 2000 / scout.max_every + 20, len(counted)
+    assert len(counted) < 2000 / scout.every / 4, len(counted)
 
 
 def test_a_new_batch_size_probes_a_mode_at_once_only_where_it_did_not_lose_nearby():

@@ -51,6 +51,9 @@ class AlternatingGuard:
     def counted_seconds(self, mode, batch: int, seconds: float) -> float:
         return seconds
 
+    def credited_tokens(self, row_tokens: list[int]) -> float:
+        return float(sum(row_tokens))
+
     def observe(self, *args) -> None:
         pass
 

@@ -296,7 +296,9 @@ class GraftConfig(BaseModel):
     chain_scout_every: int = Field(
         8, ge=0, le=1024, description="while the throughput guard decodes plainly, plain "
         "steps between two looks at the copy chains the batch's contexts offer; a chain "
-        "step runs when they promise to beat plain decoding (0: never look)")
+        "step runs when they promise to beat plain decoding; each look that finds nothing "
+        "doubles the steps to the next, up to 8 times this, until a request joins the "
+        "batch (0: never look)")
     successor_state: SuccessorStateConfig | None = Field(
         None, description="file the learned successor matrix is loaded from at start-up and "
         "saved to periodically and at shutdown; unset: it lives in memory only")

@@ -595,6 +595,8 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
         reach = proposer.guard.within_reach(len(requests), StepMode.TREE)
         following = proposer.would_follow_any(requests, reach)
         mode = proposer.guard.choose(len(requests), () if following else (StepMode.TREE,))
+        if proposer.scout is not None and scheduler_output.scheduled_new_reqs:
+            proposer.scout.text_changed()
         if (mode is StepMode.PLAIN and not proposer.guard.measuring
                 and proposer.scout is not None and proposer.scout.due()):
             stats.counts["chain_scout_looks"] += 1
@@ -654,7 +656,8 @@ def propose_with_blocks(runner, sampled_token_ids, propose_blocks) -> list[list[
 def _observe_step(runner, scheduler_output, settled: list[SettledRows] | None,
                   step: GraftStep | None) -> None:
     """Time this engine step (from the last step's drafting to this one's) and count its
-    emitted tokens and verified nodes, for the throughput guard and for the sizer's
+    emitted tokens (as the guard credits them: :meth:`ThroughputGuard.credited_tokens`)
+    and verified nodes, for the throughput guard and for the sizer's
     step costs (:meth:`CostModel.observe_step`); steps with prefill chunks are skipped
     (their time is not the decoding cost of any mode). A tree step after chain or plain
     steps includes feeding the drafter the positions those steps deferred: switching to
@@ -676,13 +679,17 @@ def _observe_step(runner, scheduler_output, settled: list[SettledRows] | None,
     mode, seconds = proposer.ran_mode, now - last
     # without settled rows (no tree verified) every scheduled request emitted one token
     batch = len(scheduled) if settled is None else len(settled)
-    tokens = batch if settled is None else sum(len(s.next_tokens) for s in settled)
     if proposer.guard is not None:
-        counted = proposer.guard.counted_seconds(mode, batch, seconds)  # a stall capped
-        proposer.guard.observe(mode, batch, tokens, counted)
+        guard = proposer.guard
+        counted = guard.counted_seconds(mode, batch, seconds)  # a stall capped
+        credited = float(batch) if settled is None else guard.credited_tokens(
+            [len(s.next_tokens) for s in settled])  # the median request's, times the batch
+        guard.observe(mode, batch, credited, counted)
         choice = proposer.last_choice  # the measured step's (proposals reset it later)
         if proposer.scout is not None and mode is StepMode.CHAIN and choice is not None:
-            proposer.scout.observe(choice.step_tokens(batch), choice.step_ms, tokens, counted)
+            # the scout's correction learns how the sizer's sums fare as the guard counts
+            proposer.scout.observe(choice.step_tokens(batch), choice.step_ms, credited,
+                                   counted)
     if forward_ms is not None:
         nodes = max(scheduler_output.total_num_scheduled_tokens - batch, 0)
         cost = proposer.sizer.cost
