@@ -276,6 +276,42 @@ def test_the_scouts_looks_teach_the_acceptance_model_while_no_chain_runs(
     assert 0 < learned <= metrics["graft_chain_shadow_trials"], (learned, metrics)
 
 
+
+def count_text_changes(worker) -> None:
+    """Count the runner's calls of the chain scout's ``text_changed``."""
+    scout = worker.model_runner.drafter.scout
+    scout.text_changes = 0
+    original = scout.text_changed
+
+    def text_changed() -> None:
+        scout.text_changes += 1
+        original()
+
+    scout.text_changed = text_changed
+
+
+def scout_text_changes(worker) -> int:
+    return worker.model_runner.drafter.scout.text_changes
+
+
+def test_the_scout_backs_off_and_new_requests_bring_its_looks_back(
+        tiny_models, plain_outputs, tmp_path, monkeypatch):
+    """A scout set to look at every plain step (``every`` 1, at most 8 apart) whose looks
+    never promise: its looks back off, so it looks at far fewer plain steps than the
+    guard decodes; and the runner tells it of new text whenever requests join the batch
+    (each prompt arrives in some step, at most one call per such step)."""
+    monkeypatch.setenv("VLLM_GRAFT_CACHE", str(tmp_path))
+    spec = graft_spec(tiny_models.head, budget="auto", guard_modes=["chain", "plain"])
+    with running_llm(tiny_models.target, spec) as llm:
+        llm.collective_rpc(keep_plain_fastest, args=(False,))
+        llm.collective_rpc(count_text_changes)
+        assert_greedy_identical(llm, PROMPTS, plain_outputs, MAX_TOKENS)
+        metrics = spec_metrics(llm)
+        changes = llm.collective_rpc(scout_text_changes)[0]
+    assert 1 <= changes <= len(PROMPTS), changes
+    looks, plain_steps = metrics["graft_chain_scout_looks"], metrics["graft_guard_plain_steps"]
+    assert 0 < looks < plain_steps / 2, (looks, plain_steps)
+
 def tree_model_counts(worker) -> dict:
     """The sizer's acceptance models beyond their prior: trials per (source, depth, score
     bucket) of the tree model, and the chain model's total."""
