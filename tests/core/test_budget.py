@@ -491,7 +491,8 @@ def test_a_stale_slow_plain_rate_does_not_keep_a_slower_mode_running(seed):
     and those are the steps in which every mode is first measured. Chains are really
     13 % slower than plain decoding; once warm they look faster than the cold plain
     rate. The guard measures plain again every ``plain_refresh`` steps and goes back to
-    it after a few; without that it ran the slower chains for most of the next 180."""
+    it after a few; without that it ran the slower chains for most of the next 180.
+    (Batch 32, uncharged: the batch charge also keeps a slower mode away.)"""
     import random
 
     from vllm_graft.core.budget import ThroughputGuard
@@ -500,8 +501,8 @@ def test_a_stale_slow_plain_rate_does_not_keep_a_slower_mode_running(seed):
     tree, chain, plain = StepMode.TREE, StepMode.CHAIN, StepMode.PLAIN
 
     def run(**kwargs) -> list[StepMode]:
-        rng, guard, modes = random.Random(seed), ThroughputGuard(modes=(tree, chain, plain),
-                                                                  **kwargs), []
+        rng, guard, modes = random.Random(seed), ThroughputGuard(
+            modes=(tree, chain, plain), batch_charge=0.0, **kwargs), []
         for step in range(200):
             mode = guard.choose(32)
             speed = (0.6 if step < 4 else 1.0) * rng.uniform(0.9, 1.1)
@@ -657,6 +658,43 @@ def test_a_batch_speculates_where_its_median_request_gains(credit_median, rows, 
     assert guard.credited_tokens([]) == 0.0
 
 
+@pytest.mark.parametrize("batch, batch_charge, chains_win", [
+    (8, 0.1, False),  # 1.08x plain per step: not enough for a batch to drift apart
+    (8, 0.0, True),  # uncharged, the per-step rate decides
+    (1, 0.1, True),  # one request does not drift: nothing is charged
+])
+def test_a_batch_speculates_only_where_it_beats_plain_by_the_charge(batch, batch_charge,
+                                                                   chains_win):
+    """Every request of a chain step emits 3 tokens in one step of six and 1 in the
+    rest (1.33 on average), at 1.23x a plain step's time: 1.08x plain decoding's rate
+    per step. At several requests that does not pay for the drift of the batch (class
+    doc): charged 10 %, chains measure 0.99x plain, and the guard decodes plainly in
+    nearly every one of the last 200 steps. At one request, or with no charge, chains
+    are the faster mode; so close to plain, they run in about a third of the steps."""
+    from vllm_graft.core.budget import ThroughputGuard
+    from vllm_graft.core.config import StepMode
+
+    chain, plain = StepMode.CHAIN, StepMode.PLAIN
+    guard = ThroughputGuard(modes=(chain, plain), batch_charge=batch_charge)
+    modes, chain_steps = [], 0
+    for _ in range(300):
+        mode = guard.choose(batch)
+        modes.append(mode)
+        if mode is chain:
+            chain_steps += 1
+            emitted = 3 if chain_steps % 6 == 0 else 1
+            guard.observe(chain, batch, guard.credited_tokens([emitted] * batch),
+                          seconds=0.0123)
+        else:
+            guard.observe(plain, batch, guard.credited_tokens([1] * batch), seconds=0.010)
+    assert (guard.preferred(batch) is chain) == chains_win
+    share = modes[100:].count(chain) / len(modes[100:])
+    assert share > 0.25 if chains_win else share < 0.05, share
+    assert guard.counted_seconds(plain, 8, 0.01) == pytest.approx(0.01)  # never plain
+    with pytest.raises(ValueError, match="batch_charge"):
+        ThroughputGuard(batch_charge=-0.1)
+
+
 @pytest.mark.parametrize("seed", range(2))
 def test_where_plain_decoding_is_fastest_exploring_costs_about_one_percent(seed):
     """Batch 32 on this repository's CPU, as a guard trace measured it: a copy-chain
@@ -665,7 +703,8 @@ def test_where_plain_decoding_is_fastest_exploring_costs_about_one_percent(seed)
     their measurements fade, each as often as what a probe loses allows
     (``probe_share``): 5 tree and 34-35 chain steps in 2,000, 0.99 of plain decoding's
     speed. Re-checked whenever its bound wins, a slower mode ran 10 tree and 70-76 chain
-    steps (0.98)."""
+    steps (0.98). (Uncharged, as the trace measured them; the batch charge makes both
+    modes slower still, and the guard runs them less.)"""
     from vllm_graft.core.config import StepMode
 
     tree, chain, plain = StepMode.TREE, StepMode.CHAIN, StepMode.PLAIN
@@ -680,13 +719,15 @@ def test_where_plain_decoding_is_fastest_exploring_costs_about_one_percent(seed)
                          batch=batch, seed=seed,
                          yields={tree: lambda rng: 2 * batch, chain: chain_tokens}, **kwargs)
 
-    modes, guard, achieved = run()
+    modes, guard, achieved = run(batch_charge=0.0)
     assert guard.preferred(batch) is plain
     assert modes.count(tree) <= 7 and modes.count(chain) <= 45, \
         (modes.count(tree), modes.count(chain))
     assert achieved > 0.985 * batch, achieved / batch
-    _, _, ungated = run(probe_share=None)
+    _, _, ungated = run(probe_share=None, batch_charge=0.0)
     assert ungated < 0.985 * batch, ungated / batch
+    charged_modes, _, charged = run()
+    assert charged >= achieved and charged_modes.count(chain) <= modes.count(chain)
 
 
 def run_scouted(guard, scout, chain_rate: float, predicted_rate: float, steps: int,

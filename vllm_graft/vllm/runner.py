@@ -681,15 +681,15 @@ def _observe_step(runner, scheduler_output, settled: list[SettledRows] | None,
     batch = len(scheduled) if settled is None else len(settled)
     if proposer.guard is not None:
         guard = proposer.guard
-        counted = guard.counted_seconds(mode, batch, seconds)  # a stall capped
         credited = float(batch) if settled is None else guard.credited_tokens(
             [len(s.next_tokens) for s in settled])  # the median request's, times the batch
-        guard.observe(mode, batch, credited, counted)
         choice = proposer.last_choice  # the measured step's (proposals reset it later)
         if proposer.scout is not None and mode is StepMode.CHAIN and choice is not None:
             # the scout's correction learns how the sizer's sums fare as the guard counts
+            # them (a batch's chain step charged, a stall capped)
             proposer.scout.observe(choice.step_tokens(batch), choice.step_ms, credited,
-                                   counted)
+                                   guard.counted_seconds(mode, batch, seconds))
+        guard.observe(mode, batch, credited, seconds)
     if forward_ms is not None:
         nodes = max(scheduler_output.total_num_scheduled_tokens - batch, 0)
         cost = proposer.sizer.cost
