@@ -28,6 +28,7 @@ import numpy as np
 
 from vllm_graft.core.acceptance import greedy_chain_walk_lists
 from vllm_graft.core.budget import CostModel, TreeSizer
+from vllm_graft.markdown import records_table
 from vllm_graft.core.chain import HostChains
 from vllm_graft.core.graft import count_accepted_sources
 from vllm_graft.core.hybrid import SOURCE_CONTEXT, SOURCE_RETRIEVED, UNKNOWN_SCORE
@@ -104,11 +105,7 @@ def main() -> None:
                     for name, fn in timed.items()})
         row["total_us"] = round(sum(v for k, v in row.items() if k.endswith("_us")), 1)
         rows.append(row)
-    columns = list(rows[0])
-    print("| " + " | ".join(columns) + " |")
-    print("|" + "---|" * len(columns))
-    for row in rows:
-        print("| " + " | ".join(str(row[c]) for c in columns) + " |")
+    print("\n".join(records_table(rows)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"repeats": args.repeats, "evict_mib": args.evict_mib, "rows": rows},

@@ -34,6 +34,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from vllm_graft.core.context import DEPTH_DECAY, ContextIndex, ContextProposal, _best_subtree
+from vllm_graft.markdown import records_table
 
 Matches = tuple[list[tuple[float, list[int]]], int]
 
@@ -167,12 +168,8 @@ def main() -> None:
     print(f"Context retrieval, µs per call; vocab {args.vocab:,}, n-grams "
           f"{args.min_ngram}..{args.max_ngram}, max_nodes {args.max_nodes}, max_depth "
           f"{args.max_depth}, max_matches {args.max_matches}, {args.steps} steps\n")
-    cols = list(rows[0])
-    print("| " + " | ".join(cols) + " |")
-    print("|" + "---|" * len(cols))
-    for row in rows:
-        print("| " + " | ".join(f"{row[c]:.1f}" if isinstance(row[c], float) else str(row[c])
-                                for c in cols) + " |")
+    print("\n".join(records_table(
+        rows, cell=lambda v: f"{v:.1f}" if isinstance(v, float) else str(v))))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from vllm_graft.core.config import GraftConfig
 from vllm_graft.core.draft_tree import DraftStep
 from vllm_graft.core.graft import GraftTreeBuilder
 from vllm_graft.core.successor import SuccessorMatrix
+from vllm_graft.markdown import markdown_table
 
 
 class BankDrafter:
@@ -251,12 +252,9 @@ def main() -> None:
     if forward_source:
         cols += ["forward_ms", "share_greedy", "share_sampled"]
     cols += ["mean_accepted", "pruned_share"]
-    print("| " + " | ".join(cols) + " |")
-    print("|" + "---|" * len(cols))
-    for r in rows:
-        print("| " + " | ".join(
-            (f"{100 * r[c]:.1f} %" if c.startswith("share") else f"{r[c]:.2f}")
-            if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+    print("\n".join(markdown_table(cols, (
+        [(f"{100 * r[c]:.1f} %" if c.startswith("share") else f"{r[c]:.2f}")
+         if isinstance(r[c], float) else str(r[c]) for c in cols] for r in rows))))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "forward": forward_source, "torch": torch.__version__,

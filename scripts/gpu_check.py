@@ -388,12 +388,13 @@ def markdown(report: dict) -> str:
 
 
 def table(columns, rows) -> list[str]:
+    from vllm_graft.markdown import records_table
+
     def cell(value):
         if isinstance(value, float):
             return f"{value:.3g}" if abs(value) < 1e-2 else f"{value:.3f}"
         return "" if value is None else str(value)
-    return (["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-            + ["| " + " | ".join(cell(r.get(c)) for c in columns) + " |" for r in rows])
+    return records_table(rows, columns, cell=cell)
 
 
 TABLES = {

@@ -43,6 +43,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from vllm_graft.markdown import markdown_table
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -189,20 +191,21 @@ def growth(trace: list[dict], key: str) -> float:
 def write_report(out: Path, traces: list[dict], command: str) -> None:
     lines = [f"# Heap trace, SmolLM2-135M\n\n`{command}`\n",
              "Change from the end of the warm-up (round %d) to the last round (MB), and "
-             "Python's allocated blocks at those rounds:\n" % WARMUP_ROUNDS,
-             "| method | rounds | output tokens | RSS | RSS after trim | live heap | "
-             "kept by allocator | Python blocks | request states after each round |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---|"]
+             "Python's allocated blocks at those rounds:\n" % WARMUP_ROUNDS]
+    rows = []
     for t in traces:
         trace = t["trace"]
         after = after_warmup(trace)
         states = {json.dumps(r.get("request_states")) for r in trace[1:]}
-        lines.append("| {} | {} | {:,} | {:+.1f} | {:+.1f} | {:+.1f} | {:+.1f} | {:,} -> {:,} | "
-                     "{} |".format(
-                         t["method"], len(trace) - 1, sum(r["output_tokens"] for r in trace),
-                         *(growth(trace, k) for k in GROWTH_KEYS),
-                         after[0]["python_blocks"], after[-1]["python_blocks"],
-                         ", ".join(sorted(states))))
+        rows.append([t["method"], str(len(trace) - 1),
+                     f"{sum(r['output_tokens'] for r in trace):,}",
+                     *(f"{growth(trace, k):+.1f}" for k in GROWTH_KEYS),
+                     f"{after[0]['python_blocks']:,} -> {after[-1]['python_blocks']:,}",
+                     ", ".join(sorted(states))])
+    lines += markdown_table(
+        ["method", "rounds", "output tokens", "RSS", "RSS after trim", "live heap",
+         "kept by allocator", "Python blocks", "request states after each round"],
+        rows, align="lrrrrrrll")
     for t in traces:
         if t.get("python_growth") is not None:
             grown = sum(g["kb"] for g in t["python_growth"])

@@ -41,6 +41,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_graft.markdown import markdown_table
+
 REPO = Path(__file__).resolve().parents[1]
 WARMUP_S = 30  # default: memory samples before this are the warm-up
 STREAMS = {  # name -> (concurrency, request fields beyond prompt / max_tokens)
@@ -452,27 +454,28 @@ def render(out: Path) -> None:
     for s in summaries:  # from the trace: a new warm-up, or results older than a figure
         s.update(memory_figures(s["memory_trace"], warmup_s))
     plain = next((s for s in summaries if s["method"] == "plain"), None)
-    lines = [f"# Load test: {setup['model']}, {setup['duration_s']} s per method, "
-             f"{setup['clients']} concurrent clients", "",
-             f"Command: `{setup['command']}`", "",
-             "| method | req/s | output tok/s | x plain | TTFT p50 / p99 ms | ITL p50 / p99 ms "
-             "| failed | deterministic identical to plain "
-             f"| RSS after {warmup_s:g} s of warm-up, first -> last MB "
-             "| RSS growth, second half MB | RSS trend, second half MB/min "
-             "| RSS floor (lowest of each minute) after warm-up, first -> last MB, MB/min |",
-             "|---|---:|---:|---:|---|---|---:|---|---|---:|---:|---|"]
+    columns = ["method", "req/s", "output tok/s", "x plain", "TTFT p50 / p99 ms",
+               "ITL p50 / p99 ms", "failed", "deterministic identical to plain",
+               f"RSS after {warmup_s:g} s of warm-up, first -> last MB",
+               "RSS growth, second half MB", "RSS trend, second half MB/min",
+               "RSS floor (lowest of each minute) after warm-up, first -> last MB, MB/min"]
+    rows = []
     for s in summaries:
         ratio = (f"{s['output_tokens_per_s'] / plain['output_tokens_per_s']:.2f}"
                  if plain and plain["output_tokens_per_s"] else "")
         same = ("(reference)" if s["method"] == "plain" else
                 f"{s['deterministic_identical']} / {s['deterministic_compared']}")
-        lines.append(
-            f"| {s['method']} | {s['requests_per_s']} | {s['output_tokens_per_s']} | {ratio} | "
-            f"{s['ttft_ms_p50']} / {s['ttft_ms_p99']} | {s['itl_ms_p50']} / {s['itl_ms_p99']} | "
-            f"{s['failed']} | {same} | {s['memory_mb_first']} -> {s['memory_mb_last']} | "
-            f"{s['memory_mb_second_half_growth']} | {s['memory_mb_per_min_second_half']} | "
+        rows.append([
+            s["method"], s["requests_per_s"], s["output_tokens_per_s"], ratio,
+            f"{s['ttft_ms_p50']} / {s['ttft_ms_p99']}", f"{s['itl_ms_p50']} / {s['itl_ms_p99']}",
+            s["failed"], same, f"{s['memory_mb_first']} -> {s['memory_mb_last']}",
+            s["memory_mb_second_half_growth"], s["memory_mb_per_min_second_half"],
             f"{s['memory_mb_floor_first']} -> {s['memory_mb_floor_last']}, "
-            f"{s['memory_mb_floor_per_min']} |")
+            f"{s['memory_mb_floor_per_min']}"])
+    lines = [f"# Load test: {setup['model']}, {setup['duration_s']} s per method, "
+             f"{setup['clients']} concurrent clients", "",
+             f"Command: `{setup['command']}`", "",
+             *markdown_table(columns, rows, align="lrrrllrllrrl")]
     lines += ["", "Traffic per method: " + ", ".join(
         f"{name} ({c} clients)" for name, (c, _) in STREAMS.items())
         + ", non-streaming greedy (1 client), streams hung up after 3-7 chunks (1 client). "

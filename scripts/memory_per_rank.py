@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from vllm_graft.markdown import markdown_table
+
 #: Qwen3-235B-A22B (its config.json)
 QWEN3_235B = {"hidden_size": 4096, "num_attention_heads": 64, "num_key_value_heads": 4,
               "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936}
@@ -83,11 +85,11 @@ def main(argv=None) -> int:
         with open(args.config) as f:
             cfg = json.load(f)
     table = rows(args, cfg)
-    print(f"| per rank (TP {args.tp}, batch {args.batch}, budget {args.budget}) | MB | what |")
-    print("|---|---:|---|")
-    for name, mb, what in table:
-        print(f"| {name} | {mb:,.1f} | {what} |")
-    print(f"| **total** | **{sum(mb for _, mb, _ in table):,.1f}** | |")
+    total = sum(mb for _, mb, _ in table)
+    print("\n".join(markdown_table(
+        [f"per rank (TP {args.tp}, batch {args.batch}, budget {args.budget})", "MB", "what"],
+        [*([name, f"{mb:,.1f}", what] for name, mb, what in table),
+         ["**total**", f"**{total:,.1f}**", ""]], align="lrl")))
     return 0
 
 

@@ -6,6 +6,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from vllm_graft.markdown import markdown_table
+
 MEASURES = """\
 MAT is vLLM's: 1 + accepted / drafts over the steps that carried drafts. Prompt lookup
 (ngram) proposes nothing when the context has no match, and those steps are not
@@ -123,50 +125,51 @@ def markdown(results: dict) -> str:
                   f"{warm['prompts']} ShareGPT prompts (from #{warm['offset']}, in no "
                   f"dataset), untimed.", ""]
     means = method_means(results)
-    lines += ["## Summary (mean over datasets)", "",
-              "| method | MAT | tokens / step | tokens/s | draft forwards / step | "
-              "greedy identical to plain |", "|---|---|---|---|---|---|"]
     agreement = results.get("greedy_agreement_with_plain", {})
+    summary = []
     for method, m in means.items():
         a = agreement.get(method)
-        same = f"{a['identical']}/{a['total']}" if a else "-"
-        per_step = "-" if m["tokens_per_step"] is None else f"{m['tokens_per_step']:.3f}"
-        lines.append(f"| {method} | {m['mat']:.3f} | {per_step} | {m['tokens_per_s']:.2f} | "
-                     f"{m['draft_forwards_per_step']:.2f} | {same} |")
+        summary.append([method, f"{m['mat']:.3f}", _cell(m["tokens_per_step"]),
+                        f"{m['tokens_per_s']:.2f}", f"{m['draft_forwards_per_step']:.2f}",
+                        f"{a['identical']}/{a['total']}" if a else "-"])
+    lines += ["## Summary (mean over datasets)", "", *markdown_table(
+        ["method", "MAT", "tokens / step", "tokens/s", "draft forwards / step",
+         "greedy identical to plain"], summary)]
     lines += ["", MEASURES]
-    lines += ["", "## Goals", "", GOALS, "", "| check | value | met |", "|---|---|---|"]
-    for text, value, ok in goal_checks(means, rows):
-        lines.append(f"| {text} | {value} | {'yes' if ok else ('no' if ok is False else '-')} |")
+    checks = [[text, value, "yes" if ok else ("no" if ok is False else "-")]
+              for text, value, ok in goal_checks(means, rows)]
     gains = gain_by_prompt_length(results)
     if len(gains) > 1:
         grows = all(b >= a for (_, a), (_, b) in zip(gains, gains[1:]))
-        lines.append(f"| tree / dense_tree MAT grows with code prompt length | "
-                     f"{', '.join(f'{d}: {g:.3f}' for d, g in gains)} | "
-                     f"{'yes' if grows else 'no'} |")
-    lines += ["", "## Per dataset", "",
-              "| dataset | method | MAT | tokens / step | tokens/s | verified / step | "
-              "draft fwd / step | "
-              "retrieved share | context share | matrix hits | bookkeeping |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for row in sorted(rows, key=lambda r: (r["dataset"], r["method"])):
-        fmt = lambda v: "-" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
-        lines.append(f"| {row['dataset']} | {row['method']} | {row['mat']:.3f} | "
-                     f"{fmt(row.get('tokens_per_step'))} | "
-                     f"{row['tokens_per_s']:.2f} | {row['verified_tokens_per_step']} | "
-                     f"{fmt(row.get('draft_forwards_per_step'))} | "
-                     f"{fmt(row.get('accepted_share_retrieved'))} | "
-                     f"{fmt(row.get('accepted_share_context'))} | "
-                     f"{fmt(row.get('matrix_hit_rate'))} | {fmt(row.get('bookkeeping_share'))} |")
+        checks.append(["tree / dense_tree MAT grows with code prompt length",
+                       ", ".join(f"{d}: {g:.3f}" for d, g in gains), "yes" if grows else "no"])
+    lines += ["", "## Goals", "", GOALS, "", *markdown_table(["check", "value", "met"], checks)]
+    lines += ["", "## Per dataset", "", *markdown_table(
+        ["dataset", "method", "MAT", "tokens / step", "tokens/s", "verified / step",
+         "draft fwd / step", "retrieved share", "context share", "matrix hits",
+         "bookkeeping"],
+        ([row["dataset"], row["method"], f"{row['mat']:.3f}",
+          _cell(row.get("tokens_per_step")), f"{row['tokens_per_s']:.2f}",
+          str(row["verified_tokens_per_step"]), _cell(row.get("draft_forwards_per_step")),
+          _cell(row.get("accepted_share_retrieved")), _cell(row.get("accepted_share_context")),
+          _cell(row.get("matrix_hit_rate")), _cell(row.get("bookkeeping_share"))]
+         for row in sorted(rows, key=lambda r: (r["dataset"], r["method"]))),
+        cell=_cell)]
     lines += batch_section(results)
     if results.get("ablations"):
-        lines += ["", "## Ablations (graft)", "", "| knob | value | dataset | MAT | tokens/s |",
-                  "|---|---|---|---|---|"]
-        for row in results["ablations"]:
-            lines.append(f"| {row['knob']} | {row['value']} | {row['dataset']} | "
-                         f"{row['mat']:.3f} | {row['tokens_per_s']:.2f} |")
+        lines += ["", "## Ablations (graft)", "", *markdown_table(
+            ["knob", "value", "dataset", "MAT", "tokens/s"],
+            ([row["knob"], row["value"], row["dataset"], f"{row['mat']:.3f}",
+              f"{row['tokens_per_s']:.2f}"] for row in results["ablations"]))]
     if results.get("notes"):
         lines += ["", "## Notes", ""] + [f"- {n}" for n in results["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def _cell(value) -> str:
+    """A table cell of the report: ``-`` for no value, floats to 3 decimals."""
+    return "-" if value is None else (f"{value:.3f}" if isinstance(value, float)
+                                      else str(value))
 
 
 def batch_speed(results: dict) -> dict[tuple[str, int], float]:
@@ -188,16 +191,15 @@ def batch_section(results: dict) -> list[str]:
         return []
     batches = sorted({b for _, b in speed})
     names = list(dict.fromkeys(m for m, _ in speed))
+    def speed_cell(name: str, b: int) -> str:
+        value, plain = speed.get((name, b)), speed.get(("plain", b))
+        return "-" if value is None else f"{value:.1f}" + (
+            f" ({value / plain:.2f}x)" if plain and name != "plain" else "")
+
     lines = ["", "## Batch sizes (tokens/s, and x plain at the same batch)", "",
-             "| method | " + " | ".join(f"batch {b}" for b in batches) + " |",
-             "|---|" + "---|" * len(batches)]
-    for name in names:
-        cells = []
-        for b in batches:
-            value, plain = speed.get((name, b)), speed.get(("plain", b))
-            cells.append("-" if value is None else f"{value:.1f}" + (
-                f" ({value / plain:.2f}x)" if plain and name != "plain" else ""))
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+             *markdown_table(["method", *(f"batch {b}" for b in batches)],
+                             ([name, *(speed_cell(name, b) for b in batches)]
+                              for name in names))]
     by = {(r["method"], r["batch"], r["dataset"]): r for r in results["batch_rows"]
           if r["dataset"] != "_engine"}
     datasets = list(dict.fromkeys(d for _, _, d in by))
@@ -208,16 +210,11 @@ def batch_section(results: dict) -> list[str]:
             return None
         return row["tokens_per_s"] / base["tokens_per_s"]
 
-    lines += ["", "Per dataset (x plain at the same batch):", "",
-              "| method | batch | " + " | ".join(datasets) + " |",
-              "|---|---|" + "---|" * len(datasets)]
-    for name in names:
-        if name == "plain":
-            continue
-        for b in batches:
-            cells = ["-" if ratio(name, b, d) is None else f"{ratio(name, b, d):.2f}"
-                     for d in datasets]
-            lines.append(f"| {name} | {b} | " + " | ".join(cells) + " |")
+    lines += ["", "Per dataset (x plain at the same batch):", "", *markdown_table(
+        ["method", "batch", *datasets],
+        ([name, b, *("-" if ratio(name, b, d) is None else f"{ratio(name, b, d):.2f}"
+                     for d in datasets)]
+         for name in names if name != "plain" for b in batches))]
     for name in ("graft_auto", "graft_chain", "graft"):
         ratios = [(b, d, ratio(m, b, d)) for (m, b, d) in by
                   if m == name and ratio(m, b, d) is not None]
