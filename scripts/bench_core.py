@@ -104,7 +104,9 @@ def bench(batch: int, vocab: int, backend: str, repeats: int, cfg: GraftConfig,
           device: torch.device | str = "cpu") -> dict:
     device = torch.device(device)
     torch.manual_seed(batch)
-    matrix = SuccessorMatrix.empty(vocab, cfg.successor_k, device=device, backend=backend)
+    # unchecked, as the engine runs it (SuccessorMatrix: the checks sync a GPU)
+    matrix = SuccessorMatrix.empty(vocab, cfg.successor_k, device=device, backend=backend,
+                                   check=False)
     matrix.update_(torch.arange(vocab, device=device),
                    torch.randint(0, vocab, (vocab, cfg.successor_k), device=device))
     builder = GraftTreeBuilder(cfg, matrix, device=device)

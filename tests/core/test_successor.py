@@ -55,6 +55,23 @@ def test_empty_matrix_roundtrip(tmp_path):
     assert torch.equal(SuccessorMatrix.load(tmp_path / "e.bin").table, m.table)
 
 
+def test_the_engine_skips_the_facade_checks_and_the_cpu_kernels_still_refuse(tmp_path):
+    """``check`` reaches the matrix from :meth:`empty` and :meth:`load` (a table off the
+    CPU keeps it; on the CPU the facade never checks, the kernel always does). Graft's
+    engine builds its matrix unchecked: on a GPU each check is a device sync. Unchecked
+    on the CPU, a bad id is still refused."""
+    _warm_matrix().save(tmp_path / "m.bin")
+    for check in (True, False):
+        assert SuccessorMatrix.empty(10, 2, device="meta", check=check).check is check
+        assert SuccessorMatrix.load(tmp_path / "m.bin", device="meta", check=check).check \
+            is check
+    unchecked = SuccessorMatrix.load(tmp_path / "m.bin", check=False)
+    with pytest.raises(ValueError, match="parent_tokens"):
+        unchecked.gather(torch.tensor([1000]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="tokens"):
+        unchecked.update_(torch.tensor([1000]), torch.zeros(1, 4, dtype=torch.long))
+
+
 def _rewrite(path, mutate_header=None, payload_edit=None):
     data = path.read_bytes()
     (hlen,) = struct.unpack_from("<I", data, len(FILE_MAGIC))

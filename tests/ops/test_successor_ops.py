@@ -319,6 +319,25 @@ def test_mixed_devices_rejected():
         ops.successor_update_(**args, check=False)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_unchecked_ops_never_synchronise_the_device():
+    """Graft's engine runs the ops unchecked (``SuccessorMatrix.check``): a tree build
+    gathers eight levels, and each checked call waits for the GPU. Under torch's sync
+    debugging an unchecked gather and update run through; a checked one is caught."""
+    gather, update = _valid_gather("cuda"), _valid_update("cuda")
+    ops.successor_gather(**gather, check=False)  # kernels loaded before watching
+    ops.successor_update_(**update, check=False)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ops.successor_gather(**gather, check=False)
+        ops.successor_update_(**update, check=False)
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            ops.successor_gather(**gather, check=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 # ---- integration --------------------------------------------------------------------
 
 

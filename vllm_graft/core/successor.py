@@ -57,7 +57,12 @@ class SuccessorMatrix:
     def __init__(self, table: torch.Tensor, *, backend: str = "compiled", check: bool = True,
                  partitions: int = 1):
         """``check``: validate ids before each op. The CPU kernels always validate, so
-        this only adds the facade's (device-syncing) check for tables on a GPU."""
+        this only adds the facade's check for tables on a GPU: a few reductions and one
+        device synchronisation per op, eight gathers in one tree build. Graft's engine
+        turns it off (:meth:`empty` and :meth:`load` take it): every id it passes is the
+        target's own token, a prompt's token (vLLM checks those against the
+        vocabulary), or an entry of this matrix (the target's top-k, or a file's ids,
+        which :meth:`load` checks)."""
         if table.dtype != torch.int32 or table.dim() != 2 or not table.is_contiguous():
             raise ValueError(
                 f"successor table must be a contiguous 2-D int32 tensor, got "
@@ -73,11 +78,11 @@ class SuccessorMatrix:
 
     @classmethod
     def empty(cls, vocab_size: int, k: int = 8, *, device: torch.device | str = "cpu",
-              backend: str = "compiled") -> SuccessorMatrix:
+              backend: str = "compiled", check: bool = True) -> SuccessorMatrix:
         if vocab_size < 1 or k < 1:
             raise ValueError(f"vocab_size and k must be positive, got {vocab_size}, {k}")
         table = torch.full((vocab_size, k), EMPTY, dtype=torch.int32, device=device)
-        return cls(table, backend=backend)
+        return cls(table, backend=backend, check=check)
 
     @property
     def vocab_size(self) -> int:
@@ -197,15 +202,17 @@ class SuccessorMatrix:
     @classmethod
     def load(cls, path: str | os.PathLike, *, vocab_size: int | None = None,
              k: int | None = None, tokenizer_fingerprint: str | None = None,
-             device: torch.device | str = "cpu", backend: str = "compiled") -> SuccessorMatrix:
+             device: torch.device | str = "cpu", backend: str = "compiled",
+             check: bool = True) -> SuccessorMatrix:
         """Read a file written by :meth:`save`; checks format, checksum and id ranges.
 
         ``vocab_size`` / ``k`` / ``tokenizer_fingerprint`` given: the file must match them
-        (a matrix warmed on another tokenizer would retrieve nonsense).
+        (a matrix warmed on another tokenizer would retrieve nonsense). ``check``: the
+        ops' id checks after loading (:class:`SuccessorMatrix`).
         """
         table, _ = read_successor_file(path, vocab_size=vocab_size, k=k,
                                        tokenizer_fingerprint=tokenizer_fingerprint)
-        return cls(table.to(device), backend=backend)
+        return cls(table.to(device), backend=backend, check=check)
 
 
 @dataclass(frozen=True)
