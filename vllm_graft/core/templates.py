@@ -123,7 +123,8 @@ class TemplateExpander:
 
     The level structure (which template nodes sit at each depth, their parents and
     ranks) is turned into index tensors once, at construction, so a step does no
-    Python work per node.
+    Python work per node, and three tensor ops per level: on a GPU the expansion is
+    bound by how many kernels it launches, not by their work.
     """
 
     def __init__(self, template: RetrievalTemplate, device: torch.device | str = "cpu"):
@@ -131,39 +132,50 @@ class TemplateExpander:
         self.size = len(template)
         self.device = torch.device(device)
         parents = torch.tensor(template.parents, dtype=torch.long)
-        ranks = torch.tensor(template.ranks, dtype=torch.long)
+        ranks = torch.tensor(template.ranks, dtype=torch.int32)
         depths = torch.tensor(template.depths, dtype=torch.long)
         self.parents = parents.to(self.device)
         self.depths = depths.to(self.device)
+        self.node_index = torch.arange(self.size, device=self.device)
+        # per level: the token-table columns of its nodes and of their parents (column 0
+        # holds the root, template node j is column j + 1), and the nodes' ranks
         self.levels: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for d in range(1, template.depth + 1):
             nodes = torch.nonzero(depths == d).flatten()
-            self.levels.append((nodes.to(self.device), parents[nodes].to(self.device),
+            self.levels.append(((nodes + 1).to(self.device), (parents[nodes] + 1).to(self.device),
                                 ranks[nodes].to(self.device)))
+        self._batch_ranks: list[torch.Tensor] = []  # each level's ranks, repeated
+        self._ranks_batch = 0  # ... for batches up to this size
+
+    def _ranks(self, batch: int) -> list[torch.Tensor]:
+        """Each level's ranks for ``batch`` requests (request-major), as prefixes of a
+        repetition kept for the largest batch so far: views, no op per step."""
+        if batch > self._ranks_batch:
+            self._ranks_batch = max(batch, 2 * self._ranks_batch)
+            self._batch_ranks = [ranks.repeat(self._ranks_batch) for _, _, ranks in self.levels]
+        return [ranks[:batch * len(level[2])]
+                for ranks, level in zip(self._batch_ranks, self.levels)]
 
     def expand(self, matrix: SuccessorMatrix, root_tokens: torch.Tensor,
                keep: torch.Tensor | None = None) -> RetrievedTrees:
         """root_tokens: [B]; keep: [B] number of template nodes each request uses.
 
-        Nodes beyond ``keep[b]`` are marked invalid before their level is gathered, so
-        their descendants are invalid too (the op maps parent -1 to child -1).
+        Nodes beyond ``keep[b]`` are marked invalid once all levels are gathered: the
+        template is parents-first, so the descendants of such a node lie beyond
+        ``keep[b]`` too.
         """
         batch = root_tokens.shape[0]
-        tokens = torch.full((batch, self.size + 1), -1, dtype=torch.long, device=self.device)
-        tokens[:, 0] = root_tokens  # column 0 holds the root; template node j is column j + 1
-        allowed = None
+        # int32, the matrix's own type: no conversion per level
+        tokens = torch.full((batch, self.size + 1), -1, dtype=torch.int32, device=self.device)
+        tokens[:, 0] = root_tokens
+        for (columns, parent_columns, _), ranks in zip(self.levels, self._ranks(batch)):
+            children = matrix.gather(tokens[:, parent_columns].reshape(-1), ranks)
+            tokens[:, columns] = children.view(batch, -1)
+        retrieved = tokens[:, 1:].long()
         if keep is not None:
-            allowed = torch.arange(self.size, device=self.device)[None, :] < keep[:, None]
-        for nodes, parents, ranks in self.levels:
-            parent_tokens = tokens[:, parents + 1]  # [B, level]
-            children = matrix.gather(parent_tokens.reshape(-1),
-                                     ranks.expand(batch, -1).reshape(-1)).view(batch, -1)
-            children = children.long()
-            if allowed is not None:
-                children = children.masked_fill(~allowed[:, nodes], -1)
-            tokens[:, nodes + 1] = children
+            retrieved = retrieved.masked_fill(self.node_index[None, :] >= keep[:, None], -1)
         return RetrievedTrees(
-            tokens=tokens[:, 1:],
+            tokens=retrieved,
             parents=self.parents.expand(batch, -1),
             depths=self.depths.expand(batch, -1),
         )
