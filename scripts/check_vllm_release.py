@@ -23,6 +23,7 @@ import zipfile
 from pathlib import Path
 from typing import Callable
 
+from vllm_graft.markdown import markdown_table
 from vllm_graft.vllm.fingerprints import (FINGERPRINTS, FINGERPRINTS_VLLM_VERSION,
                                           Fingerprint, Observed, SymbolMissing,
                                           fingerprint_from_source, find_mismatches)
@@ -74,15 +75,17 @@ def report(source: Path) -> tuple[str, bool]:
     """The Markdown table for ``source`` and whether every fingerprint matched."""
     read = source_reader(source)
     mismatches = {m.symbol: m for m in find_mismatches(FINGERPRINTS, observer(read))}
-    lines = [f"vLLM {release_version(read)} against the fingerprints of vLLM "
-             f"{FINGERPRINTS_VLLM_VERSION} ({len(mismatches)} of {len(FINGERPRINTS)} differ)",
-             "", "| vLLM symbol | Graft patch | status | what differs |", "|---|---|---|---|"]
+    rows = []
     for fingerprint in FINGERPRINTS:
         found = mismatches.get(fingerprint.symbol)
         symbol = fingerprint.symbol.removeprefix("vllm.")
         patch = fingerprint.patched_by or "(relied on)"
         status, detail = ("ok", "") if found is None else (found.status, found.detail)
-        lines.append(f"| `{symbol}` | {patch} | {status} | {detail} |")
+        rows.append([f"`{symbol}`", patch, status, detail])
+    lines = [f"vLLM {release_version(read)} against the fingerprints of vLLM "
+             f"{FINGERPRINTS_VLLM_VERSION} ({len(mismatches)} of {len(FINGERPRINTS)} differ)",
+             "", *markdown_table(["vLLM symbol", "Graft patch", "status", "what differs"],
+                                 rows)]
     return "\n".join(lines) + "\n", not mismatches
 
 
