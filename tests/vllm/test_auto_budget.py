@@ -187,6 +187,43 @@ def test_guard_times_a_step_without_drafts_as_plain_decoding(tiny_models, tmp_pa
     assert not metrics.get("graft_trees_built") and not metrics.get("graft_chains_built")
 
 
+def count_speculative_metadata(worker) -> None:
+    """Count the runner's speculative-metadata builds (vLLM's speculative path)."""
+    runner = worker.model_runner
+    original = runner._calc_spec_decode_metadata
+    runner.graft_test_metadata_builds = 0
+
+    def counted(*args, **kwargs):
+        runner.graft_test_metadata_builds += 1
+        return original(*args, **kwargs)
+    runner._calc_spec_decode_metadata = counted
+
+
+def speculative_metadata_builds(worker) -> int:
+    return worker.model_runner.graft_test_metadata_builds
+
+
+@pytest.mark.parametrize("modes, plain_path", [(["plain"], True), (["chain"], False)])
+def test_plain_steps_take_vllms_path_without_speculation(tiny_models, plain_outputs, tmp_path,
+                                                         monkeypatch, modes, plain_path):
+    """A step the guard decodes plainly carries no drafts: vLLM's own plain path runs it,
+    with no speculative metadata, and its output is plain decoding's. Steps of a
+    speculative mode still build the metadata their verification needs."""
+    monkeypatch.setenv("VLLM_GRAFT_CACHE", str(tmp_path))
+    spec = graft_spec(tiny_models.head, budget="auto", guard_modes=modes)
+    with running_llm(tiny_models.target, spec) as llm:
+        llm.collective_rpc(count_speculative_metadata)
+        assert_greedy_identical(llm, PROMPTS, plain_outputs, MAX_TOKENS)
+        builds = llm.collective_rpc(speculative_metadata_builds)[0]
+        metrics = spec_metrics(llm)
+    steps = metrics.get(f"graft_guard_{modes[0]}_steps", 0)
+    assert steps >= MAX_TOKENS, metrics
+    if plain_path:
+        assert builds <= 1  # the first prefill, before the guard's first choice
+    else:
+        assert builds >= steps // 2, (builds, steps)
+
+
 def test_budget_auto_reads_the_device_clock_a_fixed_few_times_per_step(tiny_models,
                                                                        tmp_path, monkeypatch):
     """Budget "auto" times every target forward, but with events read after the step's

@@ -514,7 +514,9 @@ FINGERPRINTS: tuple[Fingerprint, ...] = (
         'vllm.v1.worker.gpu_model_runner', 'GPUModelRunner._prepare_inputs',
         patched_by='graft.runner',
         why=('wrapped; Graft rewrites the positions it computed, after it derived slots '
-             'from linear positions, and reads query_start_loc'),
+             'from linear positions, and reads query_start_loc; on steps without drafts '
+             'it hides speculative_config, which the body reads once, to choose the '
+             'plain path'),
         params=('self', 'scheduler_output', 'num_scheduled_tokens'),
         source_sha256='3fc170f920f69afbbb8ab127a0c8ad6997b3d0aec2236cce4d4779e2029d9857',
     ),

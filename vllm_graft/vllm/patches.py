@@ -17,7 +17,7 @@ through the general-plugin entry point.
 | 3b | ``v1.worker.gpu_model_runner.build_logitsprocs`` | built-in logits processors on |
 | 4 | ``GPUModelRunner.initialize_kv_cache`` | start-up checks of tree attention |
 | 5 | ``GPUModelRunner._update_states`` | forget finished / preempted requests |
-| 6 | ``GPUModelRunner._prepare_inputs`` | tree positions + attention plan |
+| 6 | ``GPUModelRunner._prepare_inputs`` | tree positions + attention plan; vLLM's plain path on steps without drafts |
 | 7 | ``GPUModelRunner._model_forward`` | tree plan active in the target forward |
 | 8 | ``GPUModelRunner._sample`` | lossless tree acceptance, KV move, matrix update |
 | 9 | ``GPUModelRunner._input_fits_in_drafter`` | per-request fit is Graft's job |
@@ -43,6 +43,7 @@ import contextlib
 import logging
 from collections import Counter
 
+from vllm_graft.core.config import StepMode
 from vllm_graft.vllm.patching import Patch, call_original
 
 logger = logging.getLogger(__name__)
@@ -263,6 +264,34 @@ def _patch_openai_user() -> list[Patch]:
 
 
 # ---- 3-11: the V1 model runner ----------------------------------------------------------
+def takes_plain_path(runner, scheduler_output) -> bool:
+    """Whether a Graft runner's step may take vLLM's path without speculation: the
+    throughput guard decodes plainly and no request carries drafts, so the step has
+    nothing to verify and nothing to teach the successor matrix (Graft's sampling
+    would call vLLM's sampler on the same rows). vLLM 0.32 otherwise computes
+    speculative metadata every step (per-request draft counts, logits indices, a device
+    copy) only to sample one row per request, as its plain path does. Models with
+    recurrent layers keep the speculative path: their attention metadata reads the
+    draft counts that path writes."""
+    return (runner.drafter.mode is StepMode.PLAIN
+            and not scheduler_output.scheduled_spec_decode_tokens
+            and not runner.model_config.is_hybrid)
+
+
+@contextlib.contextmanager
+def speculation_hidden(runner):
+    """``runner.speculative_config`` reads None inside the block: vLLM's
+    ``_prepare_inputs`` tests it once, to choose between its speculative path and the
+    plain one (its source is fingerprinted). The step's sampling then gets no
+    speculative metadata, and vLLM's own sampler samples it (patch 8 passes it on)."""
+    config = runner.speculative_config
+    runner.speculative_config = None
+    try:
+        yield
+    finally:
+        runner.speculative_config = config
+
+
 def _patch_runner() -> list[Patch]:
     import vllm.v1.worker.gpu_model_runner as runner_module
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -347,7 +376,12 @@ def _patch_runner() -> list[Patch]:
         return call_original(cls, "_update_states")(self, scheduler_output, *args, **kwargs)
 
     def _prepare_inputs(self, scheduler_output, *args, **kwargs):
-        out = call_original(cls, "_prepare_inputs")(self, scheduler_output, *args, **kwargs)
+        original = call_original(cls, "_prepare_inputs")
+        if on(self) and takes_plain_path(self, scheduler_output):
+            with speculation_hidden(self):
+                out = original(self, scheduler_output, *args, **kwargs)
+        else:
+            out = original(self, scheduler_output, *args, **kwargs)
         if on(self):
             self._graft_step = graft_runner.prepare_tree_verification(self, scheduler_output)
             self._graft_step.num_tokens = scheduler_output.total_num_scheduled_tokens

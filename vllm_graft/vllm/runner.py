@@ -102,6 +102,14 @@ class GraftStats:
 
 
 def prepare_tree_verification(runner, scheduler_output) -> GraftStep:
+    if not scheduler_output.scheduled_spec_decode_tokens:
+        # no drafts: nothing to verify or to time, and no tree proposed for the batch's
+        # requests is verified later (as below, where each request's tree is taken)
+        pending = runner.drafter.pending
+        if pending:
+            for req_id in runner.input_batch.req_ids:
+                pending.pop(req_id, None)
+        return GraftStep(trees=[], plan=None)
     start = device_clock(runner.device)
     try:
         return _prepare_tree_verification(runner, scheduler_output)

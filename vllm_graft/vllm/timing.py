@@ -20,7 +20,8 @@ def device_clock(device: torch.device | str) -> float:
     step, never one per request, level or layer (nor around the target's forward,
     which :class:`SpanTimer` times)."""
     CLOCK_READS[sys._getframe(1).f_code.co_name] += 1
-    if torch.device(device).type == "cuda":
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    if kind == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
 
