@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tests.core.helpers import TableDrafter
+from tests.core.helpers import OpCounter, TableDrafter
 from vllm_graft.core.draft_tree import DraftTreeBuilder
 
 
@@ -65,6 +65,19 @@ def test_pruning_stops_at_the_checkpoint_and_saves_drafter_calls():
     assert tree.valid.sum(1).tolist() == [3, 12, 3]
     # after step 0 only the confident request was still sent to the drafter
     assert [c.active.tolist() for c in drafter.calls] == [[0, 1, 2]] + [[1]] * 4
+
+
+def test_a_build_waits_for_the_host_once_per_checkpoint_it_reaches():
+    """On a GPU each wait for the host stalls the launch queue: a checkpoint learns
+    which requests go on with one ``nonzero`` (before, three boolean-mask indexings
+    per checkpoint), and nothing else in the build waits."""
+    drafter = TableDrafter(40, 4, confidence={5: 0.1, 6: 0.97, 7: 0.97, 8: 0.97})
+    builder = DraftTreeBuilder(top_k=4, max_depth=5, checkpoints=(0, 1, 3),
+                               draft_keep=(3, 6, 10), thresholds=(0.3, 0.2, 0.0), full_keep=12)
+    for roots, reached in (([5, 6, 5], 3), ([5, 5], 1), ([6], 3)):
+        with OpCounter() as counter:
+            builder.build(torch.tensor(roots), drafter)
+        assert counter.host_waits == reached, (roots, counter.host_waits)
 
 
 def test_pruning_switched_off_drafts_full_depth():

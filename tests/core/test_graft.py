@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tests.core.helpers import TableDrafter
+from tests.core.helpers import OpCounter, TableDrafter
 from vllm_graft.core.acceptance import SamplingBatch, accept_tree
 from vllm_graft.core.config import GraftConfig
 from vllm_graft.core.graft import GraftTreeBuilder, accepted_by_source
@@ -165,3 +165,21 @@ def test_a_scoring_builder_scores_drafted_nodes_by_the_drafter_and_retrieved_by_
             assert tree.score[b, row].item() == pytest.approx(max(expected), rel=1e-5)
             checked.add(int(tree.source[b, row]))
     assert checked >= {SOURCE_DRAFT, SOURCE_RETRIEVED}
+
+
+@pytest.mark.parametrize("roots", [[1, 2, 3, 1], [1], [2, 3]])
+def test_a_whole_build_waits_for_the_host_at_most_once_per_checkpoint_and_once_more(roots):
+    """A tree build as the engine runs it (an unchecked matrix) waits for the host at
+    each checkpoint the drafting reaches (which requests go on) and once in the merge
+    (its depth): four times at most with three checkpoints, whatever the batch. It
+    waited ten times before (three boolean-mask indexings per checkpoint)."""
+    g = torch.Generator().manual_seed(3)
+    matrix = SuccessorMatrix.empty(VOCAB, 8, check=False)
+    matrix.update_(torch.arange(VOCAB), torch.stack(
+        [torch.randperm(VOCAB, generator=g)[:8] for _ in range(VOCAB)]))
+    cfg = GraftConfig(checkpoints=(0, 1, 5))
+    builder = GraftTreeBuilder(cfg, matrix)
+    drafter = TableDrafter(VOCAB, cfg.top_k, confidence=CONFIDENCE)
+    with OpCounter() as counter:
+        builder.build(torch.tensor(roots), drafter)
+    assert 1 <= counter.host_waits <= len(cfg.checkpoints) + 1, counter.host_waits

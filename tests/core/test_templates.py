@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from tests.core.helpers import OpCounter
 from vllm_graft.core.config import DEFAULT_RANK_PRIOR
 from vllm_graft.core.successor import SuccessorMatrix
 from vllm_graft.core.templates import RetrievalTemplate, TemplateExpander
@@ -82,20 +83,6 @@ def test_expansion_launches_three_ops_per_level_whatever_the_batch():
     ranks are views of a repetition kept for the largest batch; a batch that outgrows
     it pays one repeat per level once). Before this rule the default template's eight
     levels took 76 ops."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    views = {"view", "_unsafe_view", "slice", "select", "unsqueeze", "expand", "alias",
-             "detach"}
-
-    class CountOps(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops += func.overloadpacket.__name__ not in views
-            return func(*args, **(kwargs or {}))
-
     vocab = 300
     m = SuccessorMatrix.empty(vocab, 8)
     m.update_(torch.arange(vocab), torch.randint(0, vocab, (vocab, 8)))
@@ -103,7 +90,7 @@ def test_expansion_launches_three_ops_per_level_whatever_the_batch():
     levels = len(expander.levels)
     expander.expand(m, torch.arange(32), torch.full((32,), 40))  # the largest batch
     for batch in (1, 8, 32):
-        roots, keep, counter = torch.arange(batch), torch.full((batch,), 40), CountOps()
+        roots, keep, counter = torch.arange(batch), torch.full((batch,), 40), OpCounter()
         with counter:
             expander.expand(m, roots, keep)
         assert counter.ops <= 3 * levels + 5, (batch, counter.ops, levels)

@@ -163,9 +163,10 @@ class DraftTreeBuilder:
             if prune and step in self.checkpoint_index:
                 index = self.checkpoint_index[step]
                 stops = best_path < self.thresholds[index]
-                stage[active[stops]] = index
-                keep_going = ~stops
-                active, scores = active[keep_going], scores[keep_going]
+                stage[active] = torch.where(stops, index, stage[active])
+                # the checkpoint's one wait for the host: which requests go on
+                going = torch.nonzero(~stops).squeeze(1)
+                active, scores = active[going], scores[going]
             if active.numel() == 0 or step + 1 == self.max_depth:
                 break
             # frontier of the next step: the top_k best candidates of this step

@@ -102,7 +102,10 @@ def merge_and_flatten(root_tokens: torch.Tensor, parts: list[tuple], budget: int
     tokens = [root_tokens.long().view(batch, 1)]
     parents = [torch.full((batch, 1), -1, dtype=torch.long, device=device)]
     depths = [torch.zeros((batch, 1), dtype=torch.long, device=device)]
-    flags = [torch.full((batch, 1), SOURCE_ROOT, dtype=torch.uint8, device=device)]
+    # each candidate's source as the index of its part's flag among the parts' distinct
+    # flags (the root's own entry is overwritten at the end)
+    flags = list(dict.fromkeys(part[3] for part in parts))
+    planes = [torch.zeros((batch, 1), dtype=torch.long, device=device)]
     scored = any(len(part) > 4 and part[4] is not None for part in parts)
     scores = [torch.zeros((batch, 1), device=device)]
     offset = 1
@@ -113,10 +116,10 @@ def merge_and_flatten(root_tokens: torch.Tensor, parts: list[tuple], budget: int
         tokens.append(part_tokens.long())
         parents.append(torch.where(part_parents >= 0, part_parents + offset, 0))
         depths.append(part_depths.long())
-        flags.append(torch.full_like(part_tokens, flag, dtype=torch.uint8))
+        planes.append(torch.full_like(part_tokens, flags.index(flag), dtype=torch.long))
         offset += part_tokens.shape[1]
     tokens, parents = torch.cat(tokens, 1), torch.cat(parents, 1)
-    depths, flags = torch.cat(depths, 1), torch.cat(flags, 1)
+    depths, plane = torch.cat(depths, 1), torch.cat(planes, 1)
     parents[:, 0] = 0  # the root is its own parent while canonicalising
     n = tokens.shape[1]
     index = torch.arange(n, device=device)
@@ -127,29 +130,35 @@ def merge_and_flatten(root_tokens: torch.Tensor, parts: list[tuple], budget: int
     for _ in range(max_depth):
         valid = valid & valid.gather(1, parents)
 
-    # canon[b, i]: earliest candidate equal to i (same token under the same canonical
-    # parent). Resolved depth by depth, since it needs the parents' canon first.
-    canon = index.expand(batch, n).clone()
-    for depth in range(1, max_depth + 1):
-        at_depth = valid & (depths == depth)
+    # canon[b, i]: earliest candidate equal to i (same token at the same depth under the
+    # same canonical parent). Each pass recomputes every row from its parent's canon of
+    # the pass before, so after pass d every row at depth <= d is final; what does not
+    # change between passes (token and depth equal, both valid) is compared once.
+    # (uint8: argmax takes no bools, and uint8 & bool stays uint8)
+    alike = ((tokens[:, :, None] == tokens[:, None, :])
+             & (depths[:, :, None] == depths[:, None, :])
+             & valid[:, :, None] & valid[:, None, :]).to(torch.uint8)
+    canon = index.expand(batch, n)
+    for _ in range(max_depth):
         canon_parent = canon.gather(1, parents)
-        same = (at_depth[:, :, None] & at_depth[:, None, :]
-                & (tokens[:, :, None] == tokens[:, None, :])
-                & (canon_parent[:, :, None] == canon_parent[:, None, :]))
-        first = same.to(torch.uint8).argmax(dim=2)  # argmax returns the first maximum
-        canon = torch.where(at_depth, first, canon)
+        same = alike & (canon_parent[:, :, None] == canon_parent[:, None, :])
+        canon = same.argmax(dim=2)  # argmax returns the first maximum
+    canon = torch.where(valid, canon, index)  # an invalid row is its own (none equal it)
 
     distinct = valid & (canon == index)
     distinct[:, 0] = True
     rank = torch.cumsum(distinct.long(), dim=1) - 1  # root gets rank 0
     kept = distinct & (rank <= budget)
 
-    # source tags: a kept node carries the flags of everything merged into it
-    merged_flags = torch.zeros((batch, n), dtype=torch.uint8, device=device)
-    for flag in (SOURCE_DRAFT, SOURCE_RETRIEVED, SOURCE_CONTEXT):
-        has = (valid & (flags == flag)).to(torch.uint8)
-        hit = torch.zeros_like(merged_flags).scatter_reduce(1, canon, has, "amax")
-        merged_flags |= hit * flag
+    # source tags: a kept node carries the flags of everything merged into it, one
+    # plane per part flag gathered by a single scatter
+    present = ((plane[:, :, None] == torch.arange(max(len(flags), 1), device=device))
+               & valid[:, :, None]).to(torch.uint8)
+    hit = torch.zeros_like(present).scatter_reduce(
+        1, canon[:, :, None].expand_as(present), present, "amax")
+    merged_flags = hit[..., 0] * flags[0] if flags else torch.zeros_like(hit[..., 0])
+    for i, flag in enumerate(flags[1:], 1):
+        merged_flags |= hit[..., i] * flag
     merged_score = None
     if scored:
         score = torch.where(valid, torch.cat(scores, 1), 0.0)
