@@ -100,9 +100,10 @@ def time_it(fn, repeats: int, device: torch.device = torch.device("cpu")) -> flo
     return statistics.median(samples) * 1e3
 
 
-def bench(batch: int, vocab: int, backend: str, repeats: int, cfg: GraftConfig,
-          device: torch.device | str = "cpu") -> dict:
-    device = torch.device(device)
+def build_inputs(batch: int, vocab: int, backend: str, cfg: GraftConfig,
+                 device: torch.device) -> tuple[GraftTreeBuilder, BankDrafter, torch.Tensor]:
+    """A tree builder over a random full successor matrix, its drafter and ``batch``
+    roots, seeded by the batch size."""
     torch.manual_seed(batch)
     # unchecked, as the engine runs it (SuccessorMatrix: the checks sync a GPU)
     matrix = SuccessorMatrix.empty(vocab, cfg.successor_k, device=device, backend=backend,
@@ -111,7 +112,14 @@ def bench(batch: int, vocab: int, backend: str, repeats: int, cfg: GraftConfig,
                    torch.randint(0, vocab, (vocab, cfg.successor_k), device=device))
     builder = GraftTreeBuilder(cfg, matrix, device=device)
     drafter = BankDrafter(vocab, cfg.top_k, device=device)
-    roots = torch.randint(0, vocab, (batch,), device=device)
+    return builder, drafter, torch.randint(0, vocab, (batch,), device=device)
+
+
+def bench(batch: int, vocab: int, backend: str, repeats: int, cfg: GraftConfig,
+          device: torch.device | str = "cpu") -> dict:
+    device = torch.device(device)
+    builder, drafter, roots = build_inputs(batch, vocab, backend, cfg, device)
+    matrix = builder.matrix
     tree, stats = builder.build(roots, drafter)
     logits = steer_logits(tree, vocab, batch, seed=batch)
     greedy = SamplingBatch.greedy(batch, device=device)

@@ -16,6 +16,9 @@ Sections, each recorded in one JSON (and a Markdown table) even when another fai
   fallback.
 * ``bookkeeping``: ``scripts/bench_core.py``'s Graft step bookkeeping on the device,
   vocabulary 151,936, batch 1 / 8 / 32.
+* ``build_phases``: a tree build's ops and waits for the host at batch 1 / 8 / 32, and
+  its merge eager, with a static depth bound, and under ``torch.compile`` (default mode
+  and CUDA graphs): whether compiling the merge pays on the device.
 * ``verification_cost``: forward time of a randomly initialised Qwen3-8B-shaped model
   (bf16, transformers) verifying 1 to 128 query tokens per request over a context, at
   batch 1 / 8 / 32: the hardware profile the cost-aware tree size uses.
@@ -236,6 +239,60 @@ def bookkeeping(device: torch.device, smoke: bool) -> dict:
     return dict(ok=True, vocab=vocab, budget=60, rows=rows)
 
 
+def build_phases(device: torch.device, smoke: bool) -> dict:
+    """Where a tree build's time goes on the device, and whether compiling its largest
+    part pays: per batch size, the build's ops and waits for the host (counted by
+    dispatch), its time, and the merge's time eager (reading the depth), eager with a
+    static depth bound, and compiled by ``torch.compile`` with that bound (default
+    mode, and CUDA graphs), each compiled output compared with the eager one."""
+    import bench_core
+    from vllm_graft.core import graft as graft_module
+    from vllm_graft.core.config import GraftConfig
+    from vllm_graft.core.hybrid import merge_and_flatten
+    from vllm_graft.testing.op_counter import OpCounter
+
+    vocab, batches = (5000, (1, 2)) if smoke else (151_936, (1, 8, 32))
+    repeats = 3 if smoke else 20
+    cfg = GraftConfig(budget=60)
+    rows, fields = [], ("tokens", "parents", "depths", "valid", "source")
+    for batch in batches:
+        builder, drafter, roots = bench_core.build_inputs(batch, vocab, "compiled", cfg, device)
+        merges = []
+        original = graft_module.merge_and_flatten
+        graft_module.merge_and_flatten = lambda *args: merges.append(args) or original(*args)
+        try:
+            builder.build(roots, drafter)
+        finally:
+            graft_module.merge_and_flatten = original
+        with OpCounter() as counter:
+            builder.build(roots, drafter)
+        merge_roots, parts, budget = merges[-1]
+        depth = max(int(part[2].max()) for part in parts)
+        eager = merge_and_flatten(merge_roots, parts, budget)
+        row = dict(batch=batch, build_ops=counter.ops, build_host_waits=counter.host_waits,
+                   merge_depth=depth,
+                   build_ms=median_ms(lambda: builder.build(roots, drafter), device, repeats),
+                   merge_ms=median_ms(lambda: merge_and_flatten(merge_roots, parts, budget),
+                                      device, repeats),
+                   merge_static_ms=median_ms(
+                       lambda: merge_and_flatten(merge_roots, parts, budget, depth),
+                       device, repeats))
+        for mode in ("default", "reduce-overhead"):
+            torch._dynamo.reset()
+            compiled = torch.compile(merge_and_flatten, mode=mode, dynamic=False)
+            begin = time.perf_counter()
+            out = compiled(merge_roots, parts, budget, depth)
+            row[f"compile_{mode}_s"] = time.perf_counter() - begin
+            row[f"same_{mode}"] = all(torch.equal(getattr(out, name), getattr(eager, name))
+                                      for name in fields)
+            row[f"merge_{mode}_ms"] = median_ms(
+                lambda: compiled(merge_roots, parts, budget, depth), device, repeats)
+        rows.append(row)
+    torch._dynamo.reset()
+    return dict(ok=all(r["same_default"] and r["same_reduce-overhead"] for r in rows),
+                vocab=vocab, rows=rows)
+
+
 def add_bookkeeping_shares(sections: dict) -> None:
     """Bookkeeping as a share of a whole step, the step's forward read off this run's
     verification cost curve (1K context: the cheaper one, so the larger share)."""
@@ -362,7 +419,8 @@ def verification_cost(device: torch.device, smoke: bool) -> dict:
 
 SECTIONS = {"tree_kernel_check": tree_kernel_check, "adapter_kernel_path": adapter_kernel_path,
             "tree_kernel_timing": tree_kernel_timing,
-            "bookkeeping": bookkeeping, "verification_cost": verification_cost}
+            "bookkeeping": bookkeeping, "build_phases": build_phases,
+            "verification_cost": verification_cost}
 
 
 # ---- report -----------------------------------------------------------------------------
@@ -411,6 +469,11 @@ TABLES = {
          "verify_sampled_ms", "update_op_ms", "step_greedy_ms", "step_sampled_ms"]
         + (["forward_ms", "share_greedy", "share_sampled"] if "forward_ms" in r["rows"][0]
            else []), r["rows"]),
+    "build_phases": lambda r: table(
+        ["batch", "build_ops", "build_host_waits", "build_ms", "merge_depth", "merge_ms",
+         "merge_static_ms", "merge_default_ms", "merge_reduce-overhead_ms",
+         "compile_default_s", "compile_reduce-overhead_s", "same_default",
+         "same_reduce-overhead"], r["rows"]),
     "verification_cost": lambda r: table(
         ["context", "batch", "query_tokens", "total_tokens", "forward_ms",
          "cost_over_one_token", "mode"], r["rows"]),

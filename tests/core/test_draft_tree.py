@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from tests.core.helpers import OpCounter, TableDrafter
+from tests.core.helpers import TableDrafter
 from vllm_graft.core.draft_tree import DraftTreeBuilder
+from vllm_graft.testing.op_counter import OpCounter
 
 
 def _all_paths(drafter, root, top_k, depth):

@@ -1,12 +1,13 @@
 import pytest
 import torch
 
-from tests.core.helpers import OpCounter, TableDrafter
+from tests.core.helpers import TableDrafter
 from vllm_graft.core.acceptance import SamplingBatch, accept_tree
 from vllm_graft.core.config import GraftConfig
 from vllm_graft.core.graft import GraftTreeBuilder, accepted_by_source
 from vllm_graft.core.hybrid import SOURCE_DRAFT, SOURCE_RETRIEVED
 from vllm_graft.core.successor import SuccessorMatrix
+from vllm_graft.testing.op_counter import OpCounter
 
 VOCAB = 64
 

@@ -3,9 +3,10 @@ import random
 import pytest
 import torch
 
-from tests.core.helpers import OpCounter, reference_trie_merge
+from tests.core.helpers import reference_trie_merge
 from vllm_graft.core.hybrid import (SOURCE_BOTH, SOURCE_DRAFT, SOURCE_RETRIEVED,
                                     HybridTree, ancestor_mask, merge_and_flatten)
+from vllm_graft.testing.op_counter import OpCounter
 
 
 def _random_part(rng, n, vocab, invalid_rate=0.1):
@@ -141,3 +142,20 @@ def test_merge_launches_six_ops_per_depth_and_waits_once(batch):
         merge_and_flatten(torch.zeros(batch, dtype=torch.long), parts, 60)
     assert counter.host_waits == 1
     assert counter.ops <= 6 * depth + 80, (counter.ops, depth)
+
+
+def test_a_depth_bound_above_the_real_depth_merges_alike_without_waiting():
+    rng = random.Random(7)
+    parts = []
+    for flag in (SOURCE_DRAFT, SOURCE_RETRIEVED):
+        part = [_random_part(rng, 40, 5) for _ in range(3)]
+        as_t = lambda i: torch.tensor([p[i] for p in part])
+        parts.append((as_t(0), as_t(1), as_t(2), flag))
+    depth = max(int(p[2].max()) for p in parts)
+    roots = torch.tensor([1, 2, 3])
+    read = merge_and_flatten(roots, parts, 30)
+    with OpCounter() as counter:
+        bounded = merge_and_flatten(roots, parts, 30, max_depth=depth + 3)
+    assert counter.host_waits == 0
+    for name in ("tokens", "parents", "depths", "valid", "source", "num_nodes"):
+        assert torch.equal(getattr(bounded, name), getattr(read, name)), name

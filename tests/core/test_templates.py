@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from tests.core.helpers import OpCounter
 from vllm_graft.core.config import DEFAULT_RANK_PRIOR
 from vllm_graft.core.successor import SuccessorMatrix
 from vllm_graft.core.templates import RetrievalTemplate, TemplateExpander
+from vllm_graft.testing.op_counter import OpCounter
 
 
 def _template(size, depth=8, width=8):

@@ -47,7 +47,7 @@ def test_gpu_check_smoke_run(tmp_path):
     report = (tmp_path / "gpu_check.md").read_text()
     assert "FAILED" not in report, report
     for section in ("tree_kernel_check", "tree_kernel_timing", "bookkeeping",
-                    "verification_cost"):
+                    "build_phases", "verification_cost"):
         assert f"## {section}: ok" in report, report
     assert "gpu_check: verification_cost ok" in result.stdout
     # bookkeeping is reported as a share of a step, the forward read off the cost curve

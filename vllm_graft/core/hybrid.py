@@ -84,8 +84,8 @@ class HybridTree:
         return int(self.depths.max()) if self.depths.numel() else 0
 
 
-def merge_and_flatten(root_tokens: torch.Tensor, parts: list[tuple], budget: int
-                      ) -> HybridTree:
+def merge_and_flatten(root_tokens: torch.Tensor, parts: list[tuple], budget: int,
+                      max_depth: int | None = None) -> HybridTree:
     """Merge candidate subtrees into one tree of at most ``budget`` nodes (+ root).
 
     root_tokens: [B]
@@ -96,6 +96,10 @@ def merge_and_flatten(root_tokens: torch.Tensor, parts: list[tuple], budget: int
            descendants too. When any part is scored, the tree is: a node proposed by
            several parts keeps the highest score, a node of an unscored part
            :data:`UNKNOWN_SCORE`.
+    max_depth: a bound on the parts' depths that the caller knows. Without it the merge
+           reads the deepest from the device (a wait for the host on a GPU); with it
+           the merge's ops and shapes are fixed, which ``torch.compile`` can capture
+           whole. A bound above the real depth costs one pass per extra level.
     """
     batch = root_tokens.shape[0]
     device = root_tokens.device
@@ -126,7 +130,8 @@ def merge_and_flatten(root_tokens: torch.Tensor, parts: list[tuple], budget: int
 
     # Validity flows down the tree: a candidate needs a valid token and a valid parent.
     valid = tokens >= 0
-    max_depth = int(depths.max()) if depths.numel() else 0
+    if max_depth is None:
+        max_depth = int(depths.max()) if depths.numel() else 0
     for _ in range(max_depth):
         valid = valid & valid.gather(1, parents)
 
