@@ -61,4 +61,3 @@ def copied_to_tensor(copied: list[list[int]], length: int) -> torch.Tensor:
     copied continuation cut to ``length``, padded with -1."""
     rows = [tokens[:length] + [-1] * (length - min(len(tokens), length)) for tokens in copied]
     return torch.tensor(rows, dtype=torch.int64).reshape(len(copied), length)
-

@@ -103,13 +103,8 @@ class GraftStats:
 
 def prepare_tree_verification(runner, scheduler_output) -> GraftStep:
     if not scheduler_output.scheduled_spec_decode_tokens:
-        # no drafts: nothing to verify or to time, and no tree proposed for the batch's
-        # requests is verified later (as below, where each request's tree is taken)
-        pending = runner.drafter.pending
-        if pending:
-            for req_id in runner.input_batch.req_ids:
-                pending.pop(req_id, None)
-        return GraftStep(trees=[], plan=None)
+        # no drafts: nothing to verify, so nothing to time (the device clock syncs a GPU)
+        return _prepare_tree_verification(runner, scheduler_output)
     start = device_clock(runner.device)
     try:
         return _prepare_tree_verification(runner, scheduler_output)
@@ -240,6 +235,8 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
     if not trees and runner.drafter.mode is StepMode.PLAIN and not any(num_draft_tokens):
         # the guard's plain mode with no request carrying drafts: nothing to walk or to
         # teach the matrix, so this is plain decoding's one sampler call on its logits
+        # (such steps reach here only where they keep vLLM's speculative path:
+        # patches.takes_plain_path)
         return runner.sampler(logits=logits, sampling_metadata=sampling_metadata)
     stats: GraftStats = runner._graft_stats
     start = device_clock(logits.device)
