@@ -22,6 +22,10 @@ Sections, each recorded in one JSON (and a Markdown table) even when another fai
 * ``verification_cost``: forward time of a randomly initialised Qwen3-8B-shaped model
   (bf16, transformers) verifying 1 to 128 query tokens per request over a context, at
   batch 1 / 8 / 32: the hardware profile the cost-aware tree size uses.
+* ``graph_bookkeeping``: the step's greedy bookkeeping without waits for the host
+  (the wait-free tree build, the greedy verification with a bounded walk), each part
+  captured as one CUDA graph and replayed, at batch 1 / 8 / 32 with fixed-shape trees:
+  what it costs once launches are gone, and its share of a step.
 
 ``--smoke`` runs every section on the CPU at toy sizes (Triton under its interpreter),
 to check this script itself on a machine without a GPU.
@@ -266,7 +270,7 @@ def build_phases(device: torch.device, smoke: bool) -> dict:
             graft_module.merge_and_flatten = original
         with OpCounter() as counter:
             builder.build(roots, drafter)
-        merge_roots, parts, budget = merges[-1]
+        merge_roots, parts, budget = merges[-1][:3]
         depth = max(int(part[2].max()) for part in parts)
         eager = merge_and_flatten(merge_roots, parts, budget)
         row = dict(batch=batch, build_ops=counter.ops, build_host_waits=counter.host_waits,
@@ -293,19 +297,124 @@ def build_phases(device: torch.device, smoke: bool) -> dict:
                 vocab=vocab, rows=rows)
 
 
+def captured(fn, device: torch.device):
+    """``fn`` captured as a CUDA graph after two warm-up calls on a side stream: the
+    graph and what the captured call returned (its tensors are the graph's outputs,
+    rewritten by every replay). None and ``fn()`` off a GPU."""
+    if device.type != "cuda":
+        return None, fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def graph_bookkeeping(device: torch.device, smoke: bool) -> dict:
+    """The step's greedy bookkeeping with no wait for the host, as a serving engine's CUDA
+    graph would run it: per batch size, fixed-shape trees (what CUDA-graph verification
+    uses) built by the wait-free builder (:class:`GraftTreeBuilder` ``wait_free``; its ops
+    and host waits counted, its tree compared with the waiting build's), then the build
+    and the greedy verification (the target's top-k at every row, the walk bounded by
+    the builder's depth bound, the matrix update) each captured as one CUDA graph and
+    replayed, their outputs compared with the eager ones. Off a GPU, eager only."""
+    import bench_core
+    from vllm_graft.core.acceptance import greedy_walk
+    from vllm_graft.core.config import GraftConfig
+    from vllm_graft.core.graft import GraftTreeBuilder
+    from vllm_graft.testing.op_counter import OpCounter
+
+    vocab, batches = (5000, (1, 2)) if smoke else (151_936, (1, 8, 32))
+    repeats = 3 if smoke else 20
+    cfg = GraftConfig(budget=60, tree_shape="fixed")
+    fields = ("tokens", "parents", "depths", "valid", "source")
+    rows = []
+    for batch in batches:
+        waiting, drafter, roots = bench_core.build_inputs(batch, vocab, "compiled", cfg, device)
+        builder = GraftTreeBuilder(cfg, waiting.matrix, device=device, wait_free=True)
+        bound = builder.depth_bound()
+        expected, _ = waiting.build(roots, drafter)
+        with OpCounter() as counter:
+            eager, _ = builder.build(roots, drafter)
+        row = dict(batch=batch, tree_rows=int(eager.valid.sum()), depth_bound=bound,
+                   wait_free_ops=counter.ops, wait_free_host_waits=counter.host_waits,
+                   wait_free_same=all(torch.equal(getattr(eager, f), getattr(expected, f))
+                                      for f in fields),
+                   waiting_build_ms=median_ms(lambda: waiting.build(roots, drafter), device,
+                                              repeats),
+                   wait_free_build_ms=median_ms(lambda: builder.build(roots, drafter), device,
+                                                repeats))
+        logits = bench_core.steer_logits(eager, vocab, batch, seed=batch)
+
+        def verify(tree=eager):
+            top = builder.target_topk(tree, logits)
+            result = greedy_walk(tree, top[..., 0], bound)
+            builder.observe(tree, logits, row_topk=top)
+            return result
+
+        reference = verify()
+        row["eager_verify_greedy_ms"] = median_ms(verify, device, repeats)
+        row["eager_step_greedy_ms"] = row["wait_free_build_ms"] + row["eager_verify_greedy_ms"]
+        rows.append(row)
+        if device.type != "cuda":
+            continue
+        try:
+            graph, (tree, _) = captured(lambda: builder.build(roots, drafter), device)
+            graph.replay()
+            row["graph_build_same"] = all(torch.equal(getattr(tree, f), getattr(eager, f))
+                                          for f in fields)
+            row["graph_build_ms"] = median_ms(graph.replay, device, repeats)
+            verify_graph, result = captured(verify, device)
+            verify_graph.replay()
+            row["graph_verify_same"] = (
+                torch.equal(result.num_accepted, reference.num_accepted)
+                and torch.equal(result.accepted_rows, reference.accepted_rows))
+            row["graph_verify_greedy_ms"] = median_ms(verify_graph.replay, device, repeats)
+            row["graph_step_greedy_ms"] = row["graph_build_ms"] + row["graph_verify_greedy_ms"]
+            del graph, verify_graph
+        except Exception as error:  # a refused capture is a finding: say what refused it
+            row["graph_error"] = f"{type(error).__name__}: {str(error)[:200]}"
+            print(f"gpu_check: capture at batch {batch} failed: {error}", file=sys.stderr,
+                  flush=True)
+            break
+    ok = all(r["wait_free_same"] and r["wait_free_host_waits"] == 0
+             and "graph_error" not in r
+             and r.get("graph_build_same", True) and r.get("graph_verify_same", True)
+             for r in rows)
+    return dict(ok=ok, vocab=vocab, budget=60, tree_shape="fixed",
+                captured=device.type == "cuda", rows=rows)
+
+
 def add_bookkeeping_shares(sections: dict) -> None:
     """Bookkeeping as a share of a whole step, the step's forward read off this run's
     verification cost curve (1K context: the cheaper one, so the larger share)."""
     import bench_core
 
     keep, cost = sections.get("bookkeeping", {}), sections.get("verification_cost", {})
-    if not (keep.get("ok") and cost.get("ok")):
+    if not cost.get("ok"):
         return
     context = min(r["context"] for r in cost["rows"])
-    for row in keep["rows"]:
-        bench_core.add_shares(row, bench_core.curve_forward_ms(
-            cost["rows"], row["batch"], row["tree_rows"], context))
-    keep["forward"] = f"verification_cost rows at context {context}"
+    if keep.get("ok"):
+        for row in keep["rows"]:
+            bench_core.add_shares(row, bench_core.curve_forward_ms(
+                cost["rows"], row["batch"], row["tree_rows"], context))
+        keep["forward"] = f"verification_cost rows at context {context}"
+    graphs = sections.get("graph_bookkeeping", {})
+    for row in graphs.get("rows", []):
+        forward = bench_core.curve_forward_ms(cost["rows"], row["batch"], row["tree_rows"],
+                                              context)
+        row["forward_ms"] = forward
+        for kind in ("eager", "graph"):
+            spent = row.get(f"{kind}_step_greedy_ms")
+            if spent is not None:
+                row[f"{kind}_share_greedy"] = spent / (spent + forward)
+    if graphs.get("rows"):
+        graphs["forward"] = f"verification_cost rows at context {context}"
 
 
 def qwen3_8b_shaped_config(smoke: bool):
@@ -349,16 +458,8 @@ def forward_ms(model, cache, ids: torch.Tensor, positions: torch.Tensor,
 
     if device.type != "cuda":
         return median_ms(step, device, repeats=repeats, warmup=2), "eager"
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
     try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # a private pool: freed with the graph
-            step()
+        graph, _ = captured(step, device)  # a private pool: freed with the graph
     except Exception as error:  # capture refused: time eagerly, and say why
         print(f"gpu_check: CUDA graph capture failed: {error}", file=sys.stderr, flush=True)
         torch.cuda.synchronize()
@@ -420,7 +521,9 @@ def verification_cost(device: torch.device, smoke: bool) -> dict:
 SECTIONS = {"tree_kernel_check": tree_kernel_check, "adapter_kernel_path": adapter_kernel_path,
             "tree_kernel_timing": tree_kernel_timing,
             "bookkeeping": bookkeeping, "build_phases": build_phases,
-            "verification_cost": verification_cost}
+            "verification_cost": verification_cost,
+            # last: a refused capture may leave the device unusable for what follows
+            "graph_bookkeeping": graph_bookkeeping}
 
 
 # ---- report -----------------------------------------------------------------------------
@@ -474,6 +577,12 @@ TABLES = {
          "merge_static_ms", "merge_default_ms", "merge_reduce-overhead_ms",
          "compile_default_s", "compile_reduce-overhead_s", "same_default",
          "same_reduce-overhead"], r["rows"]),
+    "graph_bookkeeping": lambda r: table(
+        ["batch", "tree_rows", "depth_bound", "wait_free_ops", "wait_free_host_waits",
+         "wait_free_same", "waiting_build_ms", "wait_free_build_ms", "eager_verify_greedy_ms",
+         "graph_build_ms", "graph_build_same", "graph_verify_greedy_ms", "graph_verify_same",
+         "graph_step_greedy_ms", "forward_ms", "eager_share_greedy", "graph_share_greedy",
+         "graph_error"], r["rows"]),
     "verification_cost": lambda r: table(
         ["context", "batch", "query_tokens", "total_tokens", "forward_ms",
          "cost_over_one_token", "mode"], r["rows"]),

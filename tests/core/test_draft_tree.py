@@ -81,6 +81,50 @@ def test_a_build_waits_for_the_host_once_per_checkpoint_it_reaches():
         assert counter.host_waits == reached, (roots, counter.host_waits)
 
 
+def _assert_same_tree(a, b):
+    for name in ("tokens", "parents", "depths", "valid", "stage", "steps",
+                 "candidate_tokens", "candidate_parents", "candidate_depths"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert torch.equal(a.scores, b.scores)
+    assert torch.equal(a.confidence.isnan(), b.confidence.isnan())
+    assert torch.equal(a.confidence.nan_to_num(), b.confidence.nan_to_num())
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("prune", [True, False])
+def test_a_wait_free_build_drafts_the_same_tree_without_waiting(seed, prune):
+    """A CUDA graph cannot hold a read of the device: the wait-free build keeps every
+    request in every drafter call, masks what a stopped one drafts, and selects the very
+    same tree, with no host wait at all (the waiting build pays one per checkpoint)."""
+    g = torch.Generator().manual_seed(seed)
+    vocab, top_k = 30, 3
+    sure = torch.randperm(vocab, generator=g)[:vocab // 2].tolist()
+    drafter = TableDrafter(vocab, top_k, seed=seed, sharpness=2.0,
+                           confidence={t: 0.95 for t in sure})
+    builder = DraftTreeBuilder(top_k=top_k, max_depth=6, checkpoints=(0, 1, 4),
+                               draft_keep=(2, 5, 9), thresholds=(0.5, 0.4, 0.3), full_keep=14)
+    roots = torch.randint(0, vocab, (9,), generator=g)
+    waiting = builder.build(roots, drafter, prune=prune)
+    calls = len(drafter.calls)
+    with OpCounter() as counter:
+        wait_free = builder.build(roots, drafter, prune=prune, wait_free=True)
+    assert counter.host_waits == 0
+    _assert_same_tree(waiting, wait_free)
+    # every request in every one of the full depth's drafter calls
+    assert [c.active.tolist() for c in drafter.calls[calls:]] == [list(range(9))] * 6
+    if prune:
+        assert len(set(waiting.stage.tolist())) > 1, "the case should stop some requests"
+
+
+def test_a_wait_free_build_hands_a_stopped_request_no_tokens():
+    drafter = TableDrafter(40, 4, confidence={5: 0.1, 6: 0.97, 7: 0.97, 8: 0.97})
+    builder = DraftTreeBuilder(top_k=4, max_depth=3, checkpoints=(0,), draft_keep=(3,),
+                               thresholds=(0.3,), full_keep=12)
+    builder.build(torch.tensor([5, 6]), drafter, wait_free=True)
+    later = drafter.calls[1:]
+    assert all((c.tokens[0] == -1).all() and (c.tokens[1] >= 0).all() for c in later)
+
+
 def test_pruning_switched_off_drafts_full_depth():
     drafter = TableDrafter(40, 4, confidence={5: 0.1})
     builder = DraftTreeBuilder(top_k=4, max_depth=3, checkpoints=(0,), draft_keep=(2,),

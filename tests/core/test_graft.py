@@ -184,3 +184,93 @@ def test_a_whole_build_waits_for_the_host_at_most_once_per_checkpoint_and_once_m
     with OpCounter() as counter:
         builder.build(torch.tensor(roots), drafter)
     assert 1 <= counter.host_waits <= len(cfg.checkpoints) + 1, counter.host_waits
+
+
+@pytest.mark.parametrize("variant", ["graft", "dense_tree", "prune_only", "retrieval_only"])
+@pytest.mark.parametrize("tree_shape", ["dynamic", "fixed"])
+@pytest.mark.parametrize("with_context", [False, True])
+def test_a_wait_free_build_is_the_same_tree_with_no_wait_for_the_host(variant, tree_shape,
+                                                                      with_context):
+    """What a CUDA graph can capture: a wait-free builder (every request drafts to the
+    full depth, the merge takes the depth bound the host knows) builds the very tree the
+    waiting one does, context copies included, and reads nothing from the device; a
+    greedy walk bounded by the builder's ``depth_bound`` accepts what the unbounded walk
+    does, so the whole greedy bookkeeping of a step is free of waits."""
+    from vllm_graft.core.acceptance import greedy_walk
+
+    g = torch.Generator().manual_seed(5)
+    matrix = SuccessorMatrix.empty(VOCAB, 8, check=False)
+    matrix.update_(torch.arange(VOCAB), torch.stack(
+        [torch.randperm(VOCAB, generator=g)[:8] for _ in range(VOCAB)]))
+    cfg = GraftConfig(variant=variant, budget=24, checkpoints=(0, 1, 5), draft_keep=(2, 4, 8),
+                      tree_shape=tree_shape)
+    drafter = TableDrafter(VOCAB, cfg.top_k, confidence=CONFIDENCE)
+    roots = torch.tensor([1, 2, 3, 1, 7])
+    context = None
+    if with_context:  # each request copies its tree's deepest path: merges at every depth
+        plain, _ = GraftTreeBuilder(cfg, matrix).build(roots, drafter)
+        width = 6
+        tokens = torch.full((5, width), -1)
+        for b in range(5):
+            row, path = int(plain.depths[b].argmax()), []
+            while row > 0:
+                path.insert(0, int(plain.tokens[b, row]))
+                row = int(plain.parents[b, row])
+            tokens[b, :len(path[:width])] = torch.tensor(path[:width])
+        assert int((tokens >= 0).sum(1).max()) >= 4
+        context = (tokens, torch.arange(-1, width - 1).expand(5, -1),
+                   torch.arange(1, width + 1).expand(5, -1))
+    waiting, waiting_stats = GraftTreeBuilder(cfg, matrix).build(roots, drafter, context)
+    builder = GraftTreeBuilder(cfg, matrix, wait_free=True)
+    with OpCounter() as counter:
+        tree, stats = builder.build(roots, drafter, context)
+    assert counter.host_waits == 0
+    for name in ("tokens", "parents", "depths", "valid", "source", "num_nodes"):
+        assert torch.equal(getattr(tree, name), getattr(waiting, name)), name
+    for name in ("stage", "draft_steps", "draft_nodes", "retrieved_nodes", "context_nodes",
+                 "padded_nodes"):
+        assert torch.equal(getattr(stats, name), getattr(waiting_stats, name)), name
+    bound = builder.depth_bound(0 if context is None else context[0].shape[1])
+    assert tree.max_depth <= bound
+    # a target that follows the tree's first child at every row, and a stranger elsewhere
+    first_child = torch.full_like(tree.tokens, VOCAB - 1)
+    for b in range(tree.tokens.shape[0]):
+        for row in range(tree.tokens.shape[1] - 1, 0, -1):
+            if tree.valid[b, row]:
+                first_child[b, tree.parents[b, row]] = tree.tokens[b, row]
+    walked, bounded = greedy_walk(tree, first_child), greedy_walk(tree, first_child, bound)
+    assert torch.equal(walked.num_accepted, bounded.num_accepted)
+    assert bool((walked.num_accepted >= 1).all())
+    depth = walked.accepted_rows.shape[1]
+    assert torch.equal(bounded.accepted_rows[:, :depth], walked.accepted_rows)
+    assert torch.equal(bounded.output_tokens[:, :depth + 1], walked.output_tokens)
+
+
+@pytest.mark.parametrize("variant", ["graft", "dense_tree", "retrieval_only"])
+def test_a_wait_free_greedy_step_runs_on_the_meta_device(variant):
+    """What a CUDA graph needs, checked without a GPU: tensors on the ``meta`` device
+    have no data, so any read of the device (a scalar, ``nonzero``, a boolean mask, a
+    depth read by the host) raises, and so does mixing in a tensor made on the host. The
+    wait-free build, the target's top-k at its rows, the walk bounded by the builder's
+    depth bound and the matrix update all run there; the waiting build does not."""
+    from vllm_graft.core.acceptance import greedy_walk
+
+    meta = torch.device("meta")
+    cfg = GraftConfig(variant=variant, budget=24, checkpoints=(0, 1, 5), draft_keep=(2, 4, 8),
+                      tree_shape="fixed")
+    matrix = SuccessorMatrix(torch.empty(VOCAB, 8, dtype=torch.int32, device=meta),
+                             check=False)  # the compiled ops, as the engine runs them
+    drafter = TableDrafter(VOCAB, cfg.top_k, confidence=CONFIDENCE)
+    drafter.logprobs = drafter.logprobs.to(meta)
+    roots = torch.empty(5, dtype=torch.long, device=meta)
+    builder = GraftTreeBuilder(cfg, matrix, device=meta, wait_free=True)
+    tree, stats = builder.build(roots, drafter)
+    assert tree.tokens.shape == (5, cfg.budget + 1) and tree.tokens.device == meta
+    logits = torch.empty(5, cfg.budget + 1, VOCAB, device=meta)
+    top = builder.target_topk(tree, logits)
+    result = greedy_walk(tree, top[..., 0], builder.depth_bound())
+    builder.observe(tree, logits, row_topk=top)
+    assert result.num_accepted.device == meta
+    if variant != "retrieval_only":  # its build never drafts, so it never waited either
+        with pytest.raises((RuntimeError, NotImplementedError)):
+            GraftTreeBuilder(cfg, matrix, device=meta).build(roots, drafter)

@@ -4,6 +4,7 @@ installs next to the environment; and the GPU check on a machine without a GPU."
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -47,11 +48,17 @@ def test_gpu_check_smoke_run(tmp_path):
     report = (tmp_path / "gpu_check.md").read_text()
     assert "FAILED" not in report, report
     for section in ("tree_kernel_check", "tree_kernel_timing", "bookkeeping",
-                    "build_phases", "verification_cost"):
+                    "build_phases", "graph_bookkeeping", "verification_cost"):
         assert f"## {section}: ok" in report, report
     assert "gpu_check: verification_cost ok" in result.stdout
     # bookkeeping is reported as a share of a step, the forward read off the cost curve
     assert "share_greedy" in report and "share_sampled" in report, report
+    # the wait-free build: no host wait, the waiting build's tree (eager on the CPU)
+    graphs = json.loads((tmp_path / "gpu_check.json").read_text())["sections"][
+        "graph_bookkeeping"]
+    assert not graphs["captured"] and graphs["rows"]
+    assert all(row["wait_free_host_waits"] == 0 and row["wait_free_same"]
+               for row in graphs["rows"]), graphs
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU machine: the "

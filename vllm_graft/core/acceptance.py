@@ -165,15 +165,19 @@ def _check_row_tokens(tree: HybridTree, row_tokens: torch.Tensor) -> None:
                          f"{tuple(tree.tokens.shape)}")
 
 
-def greedy_walk(tree: HybridTree, row_tokens: torch.Tensor) -> AcceptanceResult:
+def greedy_walk(tree: HybridTree, row_tokens: torch.Tensor,
+                max_depth: int | None = None) -> AcceptanceResult:
     """:func:`walk_tree` for a batch of greedy requests, given the target's choice at
     every row: ``row_tokens`` [B, N+1] (the argmax at each row; anything at rows the
     walk cannot reach). Every level is the same few batched operations whatever the
-    batch, with no host read on a GPU (the CPU stops once every request has stopped)."""
+    batch, with no host read on a GPU (the CPU stops once every request has stopped).
+    ``max_depth``: a bound on the tree's depth that the caller knows (the walk then
+    takes ``max_depth + 1`` levels and never reads the tree's depth: a wait for the host
+    on a GPU); the result has that many columns."""
     _check_row_tokens(tree, row_tokens)
     batch = tree.tokens.shape[0]
     device = tree.tokens.device
-    max_steps = tree.max_depth + 1
+    max_steps = (tree.max_depth if max_depth is None else max_depth) + 1
     row_tokens = row_tokens.to(device).long()
     accepted_rows = torch.full((batch, max_steps), -1, dtype=torch.long, device=device)
     output = torch.full((batch, max_steps), -1, dtype=torch.long, device=device)

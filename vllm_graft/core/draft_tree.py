@@ -13,6 +13,12 @@ Pruning (ECHO / Graft): after a checkpoint step ``d`` the best path's confidence
 drafting and keeps its best ``draft_keep[i]`` candidates. Stopped requests are dropped
 from later drafter calls, which is where the draft compute is saved.
 
+Learning which requests go on is a wait for the host at each checkpoint on a GPU, and
+a build that waits cannot be captured in a CUDA graph. ``build(..., wait_free=True)``
+keeps every request in every drafter call to the full depth instead and masks what a
+stopped request drafts after its stop: the same tree for a drafter that answers each
+request on its own, more drafter rows, and no host read.
+
 The drafter is a callback, so an EAGLE-3 head, a draft model or a test double can
 drive the same builder.
 """
@@ -115,28 +121,21 @@ class DraftTreeBuilder:
         self.thresholds = torch.tensor(thresholds, dtype=torch.float32, device=self.device)
         self.pool_size = num_draft_candidates(top_k, max_depth)
         # a request never keeps more nodes than it can draft (e.g. top_k 1: a chain)
-        self.capacity = min(max(self.keep_by_stage.tolist()), self.pool_size)
+        self.capacity = min(max((*draft_keep, full_keep)), self.pool_size)
 
     def _step_slots(self, step: int) -> tuple[int, int]:
         start = num_draft_candidates(self.top_k, step)  # candidates of steps < step
         return start, start + (self.top_k if step == 0 else self.top_k * self.top_k)
 
     def build(self, root_tokens: torch.Tensor, drafter: Drafter, *,
-              prune: bool = True) -> DraftTree:
-        batch, k, dev = root_tokens.shape[0], self.top_k, self.device
-        pool = DraftPool(
-            tokens=torch.full((batch, self.pool_size), -1, dtype=torch.long, device=dev),
-            parents=torch.full((batch, self.pool_size), -1, dtype=torch.long, device=dev),
-            scores=torch.full((batch, self.pool_size), float("-inf"), device=dev),
-            depths=torch.zeros((batch, self.pool_size), dtype=torch.long, device=dev),
-        )
-        stage = torch.full((batch,), len(self.keep_by_stage) - 1, dtype=torch.long, device=dev)
-        steps = torch.zeros(batch, dtype=torch.long, device=dev)
-        active = torch.arange(batch, device=dev)
-        node_ids = torch.full((batch, 1), -1, dtype=torch.long, device=dev)
-        node_tokens = root_tokens.long().view(batch, 1)
-        node_scores = torch.zeros((batch, 1), device=dev)
-        confidence = torch.full((batch, self.max_depth), float("nan"), device=dev)
+              prune: bool = True, wait_free: bool = False) -> DraftTree:
+        """``wait_free``: the build of the module docstring without host reads (every
+        request stays in ``DraftStep.active``; a stopped one's frontier tokens are -1)."""
+        if wait_free:
+            return self._build_wait_free(root_tokens, drafter, prune)
+        batch, k = root_tokens.shape[0], self.top_k
+        pool, stage, steps, active, node_ids, node_tokens, node_scores, confidence = \
+            self._start(root_tokens)
 
         for step in range(self.max_depth):
             if active.numel() == 0:
@@ -173,6 +172,69 @@ class DraftTreeBuilder:
             node_scores, best = scores.topk(min(k, scores.shape[1]), dim=1)
             node_ids = best + start
             node_tokens = pool.tokens[active].gather(1, node_ids)
+
+        return self._select(pool, stage, steps, confidence)
+
+    def _start(self, root_tokens: torch.Tensor) -> tuple:
+        """A build's state before its first step: an empty pool, every request at the
+        full stage with no steps, all of them active, the roots as the frontier."""
+        batch, dev = root_tokens.shape[0], self.device
+        pool = DraftPool(
+            tokens=torch.full((batch, self.pool_size), -1, dtype=torch.long, device=dev),
+            parents=torch.full((batch, self.pool_size), -1, dtype=torch.long, device=dev),
+            scores=torch.full((batch, self.pool_size), float("-inf"), device=dev),
+            depths=torch.zeros((batch, self.pool_size), dtype=torch.long, device=dev))
+        return (pool,
+                torch.full((batch,), len(self.keep_by_stage) - 1, dtype=torch.long, device=dev),
+                torch.zeros(batch, dtype=torch.long, device=dev),
+                torch.arange(batch, device=dev),
+                torch.full((batch, 1), -1, dtype=torch.long, device=dev),
+                root_tokens.long().view(batch, 1),
+                torch.zeros((batch, 1), device=dev),
+                torch.full((batch, self.max_depth), float("nan"), device=dev))
+
+    def _build_wait_free(self, root_tokens: torch.Tensor, drafter: Drafter,
+                         prune: bool) -> DraftTree:
+        """:meth:`build` with every request in every step: ``going`` masks what a
+        stopped request drafts, in place of dropping it from the batch."""
+        batch, k = root_tokens.shape[0], self.top_k
+        pool, stage, steps, active, node_ids, node_tokens, node_scores, confidence = \
+            self._start(root_tokens)
+        going = torch.ones(batch, dtype=torch.bool, device=self.device)
+
+        for step in range(self.max_depth):
+            logprobs, child_tokens = drafter(
+                DraftStep(step=step, active=active, node_ids=node_ids, tokens=node_tokens,
+                          pool=pool))
+            width = node_ids.shape[1]
+            if logprobs.shape != (batch, width, k) or child_tokens.shape != logprobs.shape:
+                raise ValueError(
+                    f"drafter returned {tuple(logprobs.shape)} / {tuple(child_tokens.shape)} "
+                    f"at step {step}, expected ({batch}, {width}, {k})")
+            steps += going
+            kept = going.unsqueeze(1)
+            scores = (node_scores.unsqueeze(-1) + logprobs.float()).reshape(batch, -1)
+            scores = scores.nan_to_num(nan=float("-inf"), neginf=float("-inf"))
+            scores = scores.masked_fill(~kept, float("-inf"))
+            start, end = self._step_slots(step)
+            pool.tokens[:, start:end] = torch.where(
+                kept, child_tokens.reshape(batch, -1).long(), -1)
+            pool.parents[:, start:end] = torch.where(
+                kept, node_ids.repeat_interleave(k, dim=1), -1)
+            pool.scores[:, start:end] = scores
+            pool.depths[:, start:end] = torch.where(kept, step + 1, 0)
+            best_path = scores.max(dim=1).values.exp()
+            confidence[:, step] = torch.where(going, best_path, float("nan"))
+            if prune and step in self.checkpoint_index:
+                index = self.checkpoint_index[step]
+                stops = going & (best_path < self.thresholds[index])
+                stage = torch.where(stops, index, stage)
+                going = going & ~stops
+            if step + 1 == self.max_depth:
+                break
+            node_scores, best = scores.topk(min(k, scores.shape[1]), dim=1)
+            node_ids = best + start
+            node_tokens = torch.where(going.unsqueeze(1), pool.tokens.gather(1, node_ids), -1)
 
         return self._select(pool, stage, steps, confidence)
 

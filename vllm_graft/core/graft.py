@@ -101,13 +101,20 @@ class GraftTreeBuilder:
     tree_shape: the *resolved* shape, ``resolve_tree_shape(config.tree_shape,
     cuda_graphs_enabled)``; ``None`` resolves ``config.tree_shape`` as if CUDA graphs
     were off (``auto`` -> dynamic). ``fixed_shape`` says which one is in force.
+
+    wait_free: a build with no read of the device (the tree variants; on a GPU, what a
+    CUDA graph can capture): the draft tree keeps every request to the full depth
+    (:meth:`DraftTreeBuilder.build`) and the merge takes a depth bound known from the
+    parts' shapes, not read from their depths. The same trees, for more drafter rows.
     """
 
     def __init__(self, config: GraftConfig, matrix: SuccessorMatrix,
                  thresholds: tuple[float, ...] | None = None,
                  device: torch.device | str = "cpu",
-                 tree_shape: TreeShape | str | None = None, score_nodes: bool = False):
+                 tree_shape: TreeShape | str | None = None, score_nodes: bool = False,
+                 wait_free: bool = False):
         self.config = config
+        self.wait_free = wait_free
         self.score_nodes = score_nodes
         self.matrix = matrix
         self.device = torch.device(device)
@@ -155,7 +162,7 @@ class GraftTreeBuilder:
             self.retrieval_keep = torch.tensor(per_stage, dtype=torch.long,
                                                device=self.device) + config.retrieval_slack
             template = RetrievalTemplate.best_first(
-                int(self.retrieval_keep.max()), config.rank_prior,
+                max(per_stage) + config.retrieval_slack, config.rank_prior,
                 max_depth=config.retrieval_depth, max_width=config.retrieval_width)
             self.expander = TemplateExpander(template, self.device)
             self.retrieval_scores = rank_score(torch.tensor(template.ranks, device=self.device))
@@ -193,7 +200,8 @@ class GraftTreeBuilder:
             if drafter is None:
                 raise ValueError(f"variant {self.config.variant.value!r} needs a drafter")
             draft = self.drafter_tree.build(root_tokens, drafter,
-                                            prune=self.config.variant.prunes)
+                                            prune=self.config.variant.prunes,
+                                            wait_free=self.wait_free)
             kept_tokens, kept_parents = draft.tokens, draft.parents
             if self.replace_below is not None:
                 kept_tokens, kept_parents, replaced = self._replace_low_confidence(draft)
@@ -223,10 +231,23 @@ class GraftTreeBuilder:
             # spare drafted candidates (the kept ones merge into their first copies)
             parts.append((draft.candidate_tokens, draft.candidate_parents,
                           draft.candidate_depths, SOURCE_DRAFT))
-        tree = merge_and_flatten(root_tokens, parts, self.config.budget)
+        bound = self.depth_bound(0 if context is None else context[0].shape[1])
+        tree = merge_and_flatten(root_tokens, parts, self.config.budget,
+                                 bound if self.wait_free else None)
         if self.fixed_shape:
             tree = pad_to_budget(tree, self.matrix.vocab_size)
         return tree, self._stats(tree, stage, steps, lookups, hits, confidence, replaced)
+
+    def depth_bound(self, context_width: int = 0) -> int:
+        """The deepest node a tree of this builder can hold, from what the host knows:
+        the draft tree's depth, the template's, a context part's width (a chain of ``n``
+        nodes is at most ``n`` deep), and one level of padding in a fixed-shape tree
+        (:func:`pad_to_budget`). A bound for the wait-free merge and acceptance walk."""
+        deepest = max(context_width,
+                      self.config.max_depth if self.drafter_tree is not None else 0,
+                      max(self.expander.template.depths, default=0)
+                      if self.expander is not None else 0)
+        return deepest + 1 if self.fixed_shape else deepest
 
     def _build_tail(self, roots: torch.Tensor, drafter: Drafter | None,
                     matrix) -> tuple[HybridTree, BuildStats]:
