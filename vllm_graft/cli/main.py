@@ -86,7 +86,7 @@ def cpu_server_defaults(environ=os.environ) -> None:
     primitive per weight shape (about 290 KB each for SmolLM2-135M), and a speculative
     server's forwards meet many row counts, so the default 1,024 entries fill only after
     10-20 minutes of traffic and some 300 MB. Measured: no speed difference under the
-    load test (README, "A flat resident size"). A value already set is kept."""
+    load test (bench/results/README.md, "A flat resident size"). A value already set is kept."""
     if not _has_gpu():
         environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", SERVER_ONEDNN_PRIMITIVE_CACHE)
 
