@@ -157,6 +157,20 @@ def test_engine_warmup_prompts_are_cut_to_fit_not_dropped():
     assert engine_warmup_prompts(candidates, datasets, max_model_len=64, max_tokens=64) == []
 
 
+def test_prefill_warmups_give_each_dataset_its_prompt_lengths_on_other_text():
+    """An engine's untimed warm-up prefills each dataset's prompt lengths (its prefill
+    shapes) on warm-up text, a short warm-up prompt repeated to the length."""
+    from vllm_graft.bench.runner import prefill_warmups
+
+    candidates = [[7, 8, 9], [5] * 40]
+    datasets = {"a": [[1] * 10, [2] * 4, [3] * 6], "b": [[4] * 2]}
+    warm = prefill_warmups(candidates, datasets)
+    assert [[len(p) for p in batch] for batch in warm] == [[10, 4, 6], [2]]
+    assert warm[0][0] == [7, 8, 9] * 3 + [7] and warm[0][1] == [5] * 4
+    assert warm[0][2] == [7, 8, 9, 7, 8, 9] and warm[1][0] == [7, 8]
+    assert prefill_warmups([], datasets) == []
+
+
 def test_report_only_rewrites_the_report_from_the_results_file(tmp_path, capsys):
     import json
 

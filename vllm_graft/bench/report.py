@@ -121,9 +121,12 @@ def markdown(results: dict) -> str:
              f"Command: `{cfg.get('command') or 'vllm-graft bench'}`", ""]
     warm = cfg.get("engine_warmup")
     if isinstance(warm, dict) and warm.get("prompts"):
+        shapes = (" and prefilled, for each dataset, a batch of them cut to its prompts' "
+                  "lengths (its prefill shapes, one token each)"
+                  if warm.get("prefill_shapes") else "")
         lines += [f"Every engine first generated {warm['tokens']} tokens for up to "
                   f"{warm['prompts']} ShareGPT prompts (from #{warm['offset']}, in no "
-                  f"dataset), untimed.", ""]
+                  f"dataset){shapes}, untimed.", ""]
     means = method_means(results)
     agreement = results.get("greedy_agreement_with_plain", {})
     summary = []
@@ -380,8 +383,10 @@ def warmup_lines(results: dict, fresh: bool = False) -> list[str]:
         return []
     when = "each start (median seconds over its starts)" if fresh \
         else "its first round (seconds)"
+    shapes = (", and prefilled each dataset's prompt lengths" if settings.get("prefill_shapes")
+              else "")
     return ["", f"Before {when} each engine generated {settings['tokens']} "
-                f"tokens for each of as many ShareGPT prompts as its batch, untimed: "
+                f"tokens for each of as many ShareGPT prompts as its batch{shapes}, untimed: "
                 + "; ".join(f"{name} batch {batch} {seconds:.1f}"
                                          for (name, batch), seconds in sorted(warm.items()))]
 

@@ -179,6 +179,25 @@ def engine_warmup_prompts(candidates: list[list[int]], prompt_ids: dict[str, lis
     return [ids[:fits] for ids in candidates][:max(len(p) for p in prompt_ids.values())]
 
 
+def prefill_warmups(candidates: list[list[int]], prompt_ids: dict[str, list]
+                    ) -> list[list[list[int]]]:
+    """Per dataset, a batch of warm-up prompts of its prompts' own lengths (each
+    warm-up prompt repeated as often as it must be to reach the length): prefilled
+    untimed, they give every engine the dataset's prefill shapes before its timed runs.
+    On a CPU the first forward of a number of query rows a process has not met sets up
+    its kernels (oneDNN primitives), which took from 0.7 to 3.8 s where the same prefill
+    later took 0.8-1.0 s at batch 8, in engines of every method alike: noise in a
+    fresh engine's timed runs that a long-running server pays once."""
+    if not candidates:
+        return []
+
+    def cut(ids: list[int], length: int) -> list[int]:
+        return (ids * -(-length // len(ids)))[:length]
+
+    return [[cut(candidates[i % len(candidates)], len(prompt))
+             for i, prompt in enumerate(prompts)] for prompts in prompt_ids.values()]
+
+
 def engine_job(config: BenchConfig, spec: dict | None, prompt_ids: dict[str, list],
                max_model_len: int) -> dict:
     """What one benchmark engine is given (see :mod:`vllm_graft.bench.worker`)."""
@@ -189,6 +208,8 @@ def engine_job(config: BenchConfig, spec: dict | None, prompt_ids: dict[str, lis
         "warmup": engine_warmup_prompts(config.engine_warmup, prompt_ids, max_model_len,
                                         config.max_tokens),
         "warmup_tokens": min(ENGINE_WARMUP_TOKENS, config.max_tokens),
+        "warmup_prefills": prefill_warmups([ids for ids in config.engine_warmup if ids],
+                                           prompt_ids),
         "datasets": prompt_ids}
 
 
@@ -334,6 +355,7 @@ def run_engines_interleaved(config: BenchConfig, specs: dict[str, dict | None],
             datasets_out[dataset] = {
                 **first, **split, "seconds": statistics.median(seconds),
                 "round_seconds": seconds,
+                "round_prefill_ms": [run.get("prefill_ms") for run in runs[(label, dataset)]],
                 "rounds_identical": sum(
                     all(run["tokens"][i] == tokens for run in later)
                     for i, tokens in enumerate(first["tokens"]))}
@@ -393,6 +415,8 @@ def run_methods(config: BenchConfig, prompt_ids: dict[str, list], method_list,
                 row["round_tokens_per_s"] = [round(generated / max(x, 1e-9), 2)
                                              for x in data["round_seconds"]]
                 row["rounds_identical"] = data["rounds_identical"]
+            if data.get("round_prefill_ms") and None not in data["round_prefill_ms"]:
+                row["round_prefill_ms"] = [round(x, 1) for x in data["round_prefill_ms"]]
             rows.append({"method": method.name, "dataset": dataset, "prompts": len(tokens),
                          **row})
         rows.append({"method": method.name, "dataset": "_engine",
@@ -540,7 +564,8 @@ def portable_config(config: BenchConfig) -> dict:
     settings["cache_dir"] = "$VLLM_GRAFT_CACHE"
     settings["engine_warmup"] = {"prompts": len(config.engine_warmup),
                                  "offset": ENGINE_WARMUP_OFFSET,
-                                 "tokens": ENGINE_WARMUP_TOKENS}
+                                 "tokens": ENGINE_WARMUP_TOKENS,
+                                 "prefill_shapes": True}
     return {k: portable(v) for k, v in settings.items()}
 
 

@@ -86,7 +86,9 @@ def warm_up(llm, job: dict) -> float:
     """Untimed in the datasets' runs: the first batches of a fresh engine pay one-off
     costs (kernel set-up for each new shape, allocator growth, first-touch page faults;
     for budget "auto", the guard's first measurement of each mode at the batch's size)
-    that a long-running server pays once. Returns the warm-up's wall seconds, reported
+    that a long-running server pays once. Then one prefill (a token each) of every
+    batch in ``warmup_prefills``: each dataset's prefill shapes, on prompts of no
+    dataset (:func:`vllm_graft.bench.runner.prefill_warmups`). Returns the warm-up's wall seconds, reported
     beside the runs so that the one-off cost is not hidden."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -97,6 +99,10 @@ def warm_up(llm, job: dict) -> float:
                                       for p in job["warmup"]],
                                 SamplingParams(temperature=0.0, ignore_eos=True,
                                                max_tokens=job["warmup_tokens"]))
+    for batch in job.get("warmup_prefills", ()):  # each dataset's prefill shapes
+        generate_counting_steps(llm, [TokensPrompt(prompt_token_ids=p) for p in batch],
+                                SamplingParams(temperature=0.0, ignore_eos=True,
+                                               max_tokens=1))
     return time.perf_counter() - start
 
 
