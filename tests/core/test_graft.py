@@ -274,3 +274,20 @@ def test_a_wait_free_greedy_step_runs_on_the_meta_device(variant):
     if variant != "retrieval_only":  # its build never drafts, so it never waited either
         with pytest.raises((RuntimeError, NotImplementedError)):
             GraftTreeBuilder(cfg, matrix, device=meta).build(roots, drafter)
+
+
+def test_the_depth_bound_holds_a_tail_chain_and_a_walk_refuses_a_bound_too_small():
+    """Graft-TAIL's chains are ``budget`` deep; a walk given a bound below its tree's
+    depth would cut the accepted path short, so the CPU, where reading the depth costs
+    nothing, refuses it."""
+    from vllm_graft.core.acceptance import greedy_walk
+
+    cfg = GraftConfig(variant="tail", budget=6)
+    builder = GraftTreeBuilder(cfg, _matrix())
+    drafter = TableDrafter(VOCAB, 1, confidence={t: 0.99 for t in range(VOCAB)})
+    chain, _ = builder.build(torch.tensor([2, 3]), drafter)
+    assert 2 <= chain.max_depth <= builder.depth_bound() == cfg.budget
+    row_tokens = torch.zeros_like(chain.tokens)
+    greedy_walk(chain, row_tokens, builder.depth_bound())
+    with pytest.raises(ValueError, match="past its bound"):
+        greedy_walk(chain, row_tokens, chain.max_depth - 1)

@@ -121,8 +121,9 @@ def markdown(results: dict) -> str:
              f"Command: `{cfg.get('command') or 'vllm-graft bench'}`", ""]
     warm = cfg.get("engine_warmup")
     if isinstance(warm, dict) and warm.get("prompts"):
-        shapes = (" and prefilled, for each dataset, a batch of them cut to its prompts' "
-                  "lengths (its prefill shapes, one token each)"
+        shapes = (" and prefilled, for each dataset, a batch of them repeated or cut to its "
+                  "prompts' lengths (its prefill shapes, one token each, the prefix cache "
+                  "reset before each)"
                   if warm.get("prefill_shapes") else "")
         lines += [f"Every engine first generated {warm['tokens']} tokens for up to "
                   f"{warm['prompts']} ShareGPT prompts (from #{warm['offset']}, in no "

@@ -100,6 +100,8 @@ def warm_up(llm, job: dict) -> float:
                                 SamplingParams(temperature=0.0, ignore_eos=True,
                                                max_tokens=job["warmup_tokens"]))
     for batch in job.get("warmup_prefills", ()):  # each dataset's prefill shapes
+        # whole prefills: the warm-up text is cached, and a hit would shorten them
+        llm.reset_prefix_cache()
         generate_counting_steps(llm, [TokensPrompt(prompt_token_ids=p) for p in batch],
                                 SamplingParams(temperature=0.0, ignore_eos=True,
                                                max_tokens=1))

@@ -177,6 +177,9 @@ def greedy_walk(tree: HybridTree, row_tokens: torch.Tensor,
     _check_row_tokens(tree, row_tokens)
     batch = tree.tokens.shape[0]
     device = tree.tokens.device
+    if max_depth is not None and device.type == "cpu" and tree.max_depth > max_depth:
+        raise ValueError(f"greedy_walk: the tree is {tree.max_depth} deep, past its bound "
+                         f"{max_depth}")  # checked where reading the depth costs no wait
     max_steps = (tree.max_depth if max_depth is None else max_depth) + 1
     row_tokens = row_tokens.to(device).long()
     accepted_rows = torch.full((batch, max_steps), -1, dtype=torch.long, device=device)

@@ -242,7 +242,10 @@ class GraftTreeBuilder:
         """The deepest node a tree of this builder can hold, from what the host knows:
         the draft tree's depth, the template's, a context part's width (a chain of ``n``
         nodes is at most ``n`` deep), and one level of padding in a fixed-shape tree
-        (:func:`pad_to_budget`). A bound for the wait-free merge and acceptance walk."""
+        (:func:`pad_to_budget`); a Graft-TAIL chain's length. A bound for the wait-free
+        merge and acceptance walk."""
+        if self.tail_drafter is not None:
+            return self.config.budget
         deepest = max(context_width,
                       self.config.max_depth if self.drafter_tree is not None else 0,
                       max(self.expander.template.depths, default=0)
