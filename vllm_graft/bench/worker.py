@@ -88,8 +88,8 @@ def warm_up(llm, job: dict) -> float:
     for budget "auto", the guard's first measurement of each mode at the batch's size)
     that a long-running server pays once. Then one prefill (a token each) of every
     batch in ``warmup_prefills``: each dataset's prefill shapes, on prompts of no
-    dataset (:func:`vllm_graft.bench.runner.prefill_warmups`). Returns the warm-up's wall seconds, reported
-    beside the runs so that the one-off cost is not hidden."""
+    dataset (:func:`vllm_graft.bench.runner.prefill_warmups`). Returns the warm-up's
+    wall seconds, reported beside the runs so that the one-off cost is not hidden."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 

@@ -140,19 +140,12 @@ class DraftTreeBuilder:
         for step in range(self.max_depth):
             if active.numel() == 0:
                 break
-            logprobs, child_tokens = drafter(
-                DraftStep(step=step, active=active, node_ids=node_ids, tokens=node_tokens,
-                          pool=pool))
-            n_active, width = node_ids.shape
-            if logprobs.shape != (n_active, width, k) or child_tokens.shape != logprobs.shape:
-                raise ValueError(
-                    f"drafter returned {tuple(logprobs.shape)} / {tuple(child_tokens.shape)} "
-                    f"at step {step}, expected ({n_active}, {width}, {k})")
+            child_tokens, scores = self._expand(drafter, DraftStep(
+                step=step, active=active, node_ids=node_ids, tokens=node_tokens, pool=pool),
+                node_scores)
             steps[active] += 1
-            scores = (node_scores.unsqueeze(-1) + logprobs.float()).reshape(n_active, -1)
-            scores = scores.nan_to_num(nan=float("-inf"), neginf=float("-inf"))
             start, end = self._step_slots(step)
-            pool.tokens[active, start:end] = child_tokens.reshape(n_active, -1).long()
+            pool.tokens[active, start:end] = child_tokens
             pool.parents[active, start:end] = node_ids.repeat_interleave(k, dim=1)
             pool.scores[active, start:end] = scores
             pool.depths[active, start:end] = step + 1
@@ -174,6 +167,21 @@ class DraftTreeBuilder:
             node_tokens = pool.tokens[active].gather(1, node_ids)
 
         return self._select(pool, stage, steps, confidence)
+
+    def _expand(self, drafter: Drafter, step: DraftStep, node_scores: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafter call on ``step``'s frontier: its children's tokens and their
+        path scores (``node_scores`` plus the child's log-prob, NaN as -inf), both
+        ``[rows, width * top_k]``, in the pool's slot order."""
+        logprobs, child_tokens = drafter(step)
+        rows, width = step.node_ids.shape
+        if logprobs.shape != (rows, width, self.top_k) or child_tokens.shape != logprobs.shape:
+            raise ValueError(
+                f"drafter returned {tuple(logprobs.shape)} / {tuple(child_tokens.shape)} "
+                f"at step {step.step}, expected ({rows}, {width}, {self.top_k})")
+        scores = (node_scores.unsqueeze(-1) + logprobs.float()).reshape(rows, -1)
+        return (child_tokens.reshape(rows, -1).long(),
+                scores.nan_to_num(nan=float("-inf"), neginf=float("-inf")))
 
     def _start(self, root_tokens: torch.Tensor) -> tuple:
         """A build's state before its first step: an empty pool, every request at the
@@ -203,22 +211,14 @@ class DraftTreeBuilder:
         going = torch.ones(batch, dtype=torch.bool, device=self.device)
 
         for step in range(self.max_depth):
-            logprobs, child_tokens = drafter(
-                DraftStep(step=step, active=active, node_ids=node_ids, tokens=node_tokens,
-                          pool=pool))
-            width = node_ids.shape[1]
-            if logprobs.shape != (batch, width, k) or child_tokens.shape != logprobs.shape:
-                raise ValueError(
-                    f"drafter returned {tuple(logprobs.shape)} / {tuple(child_tokens.shape)} "
-                    f"at step {step}, expected ({batch}, {width}, {k})")
+            child_tokens, scores = self._expand(drafter, DraftStep(
+                step=step, active=active, node_ids=node_ids, tokens=node_tokens, pool=pool),
+                node_scores)
             steps += going
             kept = going.unsqueeze(1)
-            scores = (node_scores.unsqueeze(-1) + logprobs.float()).reshape(batch, -1)
-            scores = scores.nan_to_num(nan=float("-inf"), neginf=float("-inf"))
             scores = scores.masked_fill(~kept, float("-inf"))
             start, end = self._step_slots(step)
-            pool.tokens[:, start:end] = torch.where(
-                kept, child_tokens.reshape(batch, -1).long(), -1)
+            pool.tokens[:, start:end] = torch.where(kept, child_tokens, -1)
             pool.parents[:, start:end] = torch.where(
                 kept, node_ids.repeat_interleave(k, dim=1), -1)
             pool.scores[:, start:end] = scores

@@ -231,9 +231,9 @@ class GraftTreeBuilder:
             # spare drafted candidates (the kept ones merge into their first copies)
             parts.append((draft.candidate_tokens, draft.candidate_parents,
                           draft.candidate_depths, SOURCE_DRAFT))
-        bound = self.depth_bound(0 if context is None else context[0].shape[1])
-        tree = merge_and_flatten(root_tokens, parts, self.config.budget,
-                                 bound if self.wait_free else None)
+        bound = self.depth_bound(0 if context is None else context[0].shape[1]) \
+            if self.wait_free else None  # otherwise the merge reads the depth
+        tree = merge_and_flatten(root_tokens, parts, self.config.budget, bound)
         if self.fixed_shape:
             tree = pad_to_budget(tree, self.matrix.vocab_size)
         return tree, self._stats(tree, stage, steps, lookups, hits, confidence, replaced)
