@@ -199,3 +199,14 @@ def test_step_split_reports_what_each_method_adds_to_plain_besides_the_target():
     assert "graft_auto 116.0 = 103.0 + 13.00 (+1.00 ms, +1.0 % of plain's step)" in lines
     no_split = [row("plain", "a", 1.0, 1.0, batch=8), row("graft_auto", "a", 1.0, 1.0, batch=8)]
     assert "Median decoding step" not in "\n".join(batch_section(results([], no_split)))
+
+
+def test_budget_autos_speculative_steps_are_reported_round_by_round():
+    rounds = [{"chain": 40, "plain": 14}, {"plain": 64}, {"chain": 2, "tree": 1, "plain": 60}]
+    batch_rows = [row("plain", "mtbench", 1.0, 1.0, batch=8),
+                  {**row("graft_auto", "mtbench", 1.0, 1.0, batch=8),
+                   "round_guard_steps": rounds}]
+    lines = "\n".join(batch_section(results([], batch_rows)))
+    assert "- graft_auto batch 8, mtbench: 40/54 0/64 3/63" in lines
+    without = [row("plain", "a", 1.0, 1.0, batch=8), row("graft_auto", "a", 1.0, 1.0, batch=8)]
+    assert "steps by round" not in "\n".join(batch_section(results([], without)))

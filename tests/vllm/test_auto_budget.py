@@ -315,20 +315,27 @@ def test_the_scouts_looks_teach_the_acceptance_model_while_no_chain_runs(
 
 
 def count_text_changes(worker) -> None:
-    """Count the runner's calls of the chain scout's ``text_changed``."""
-    scout = worker.model_runner.drafter.scout
-    scout.text_changes = 0
-    original = scout.text_changed
+    """Count the runner's calls of the chain scout's ``text_changed``, and keep the
+    requests it tells the guard joined (``requests_joined``)."""
+    drafter = worker.model_runner.drafter
+    scout, guard = drafter.scout, drafter.guard
+    scout.text_changes, guard.joins = 0, []
+    original, original_joined = scout.text_changed, guard.requests_joined
 
     def text_changed() -> None:
         scout.text_changes += 1
         original()
 
-    scout.text_changed = text_changed
+    def requests_joined(joined: int, batch: int) -> None:
+        guard.joins.append((joined, batch))
+        original_joined(joined, batch)
+
+    scout.text_changed, guard.requests_joined = text_changed, requests_joined
 
 
-def scout_text_changes(worker) -> int:
-    return worker.model_runner.drafter.scout.text_changes
+def scout_text_changes(worker) -> tuple[int, list]:
+    drafter = worker.model_runner.drafter
+    return drafter.scout.text_changes, drafter.guard.joins
 
 
 def test_the_scout_backs_off_and_new_requests_bring_its_looks_back(
@@ -336,7 +343,8 @@ def test_the_scout_backs_off_and_new_requests_bring_its_looks_back(
     """A scout set to look at every plain step (``every`` 1, at most 8 apart) whose looks
     never promise: its looks back off, so it looks at far fewer plain steps than the
     guard decodes; and the runner tells it of new text whenever requests join the batch
-    (each prompt arrives in some step, at most one call per such step)."""
+    (each prompt arrives in some step, at most one call per such step), and the guard
+    how many of the step's requests joined, each prompt once."""
     monkeypatch.setenv("VLLM_GRAFT_CACHE", str(tmp_path))
     spec = graft_spec(tiny_models.head, budget="auto", guard_modes=["chain", "plain"])
     with running_llm(tiny_models.target, spec) as llm:
@@ -344,8 +352,10 @@ def test_the_scout_backs_off_and_new_requests_bring_its_looks_back(
         llm.collective_rpc(count_text_changes)
         assert_greedy_identical(llm, PROMPTS, plain_outputs, MAX_TOKENS)
         metrics = spec_metrics(llm)
-        changes = llm.collective_rpc(scout_text_changes)[0]
+        changes, joins = llm.collective_rpc(scout_text_changes)[0]
     assert 1 <= changes <= len(PROMPTS), changes
+    assert len(joins) == changes and sum(joined for joined, _ in joins) == len(PROMPTS)
+    assert all(0 < joined <= batch for joined, batch in joins), joins
     looks, plain_steps = metrics["graft_chain_scout_looks"], metrics["graft_guard_plain_steps"]
     assert 0 < looks < plain_steps / 2, (looks, plain_steps)
 
@@ -463,3 +473,38 @@ def test_a_chain_runs_learned_odds_seed_the_next_engines_chain_model(
     assert_seeded_by(tally, seeded)
     assert sum(sum(map(sum, source)) for source in seeded) > 0
     assert not any(any(map(any, source)) for source in trees), "the tree model is unseeded"
+
+
+def test_guard_ab_pairs_auto_runs_with_plain_runs_of_the_same_engine(tiny_models, tmp_path,
+                                                                      monkeypatch):
+    """``scripts/guard_ab.py`` on a tiny budget-auto engine: every round runs each
+    dataset as the guard chooses and with the guard held to plain decoding, in
+    alternating order; the held runs decode plainly only, the auto runs keep their
+    guard (they measure every mode), both emit the same greedy tokens (the script
+    fails otherwise), and a guard field that does not exist is refused."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("VLLM_GRAFT_CACHE", str(tmp_path))
+    job = {"target": str(tiny_models.target),
+           "spec": graft_spec(tiny_models.head, budget="auto"), "max_tokens": 12,
+           "engine": {"max_model_len": 256, "max_num_seqs": 2},
+           "datasets": {"a": [list(range(5, 45)), list(range(60, 80)) * 2]}}
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(job))
+    out = tmp_path / "ab"
+    script = ["scripts/guard_ab.py", str(path), "--rounds", "2", "--out", str(out)]
+    done = subprocess.run([sys.executable, *script, "--guard", "text_keep=0.5"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((out / "guard_ab.json").read_text())
+    assert summary["guard"] == {"text_keep": 0.5}
+    pairs = summary["datasets"]["a"]["runs"]
+    assert len(pairs) == 2 and len(summary["datasets"]["a"]["ratios"]) == 2
+    assert all(set(p["plain"]["guard_steps"]) == {"plain"} for p in pairs), pairs
+    assert sum(len(p["auto"]["guard_steps"]) for p in pairs) >= 2, pairs
+    assert all(p[k]["seconds"] > 0 for p in pairs for k in ("auto", "plain"))
+    assert "auto / plain-held speed" in (out / "guard_ab.md").read_text()
+    refused = subprocess.run([sys.executable, *script, "--guard", "no_such_field=1"],
+                             capture_output=True, text=True, timeout=600)
+    assert refused.returncode != 0 and "no_such_field" in refused.stderr

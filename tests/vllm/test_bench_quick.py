@@ -32,6 +32,10 @@ def test_bench_quick_runs_every_method_losslessly(tmp_path):
     auto = [r for r in swept if r["method"] == "graft_auto"]
     assert all(sum(r["guard_steps"].values()) > 0 and set(r["chain_scout"]) ==
                {"looks", "steps", "shadow_trials"} for r in auto), auto
+    # and round by round, the first round's being the row's
+    assert all(len(r["round_guard_steps"]) == 2 and r["round_guard_steps"][0] ==
+               r["guard_steps"] for r in auto), auto
+    assert not any("round_guard_steps" in r for r in swept if r["method"] == "plain")
     # the sweep's engines took turns, twice each, each round in a fresh process, and
     # repeated their greedy output
     assert all(len(r["round_tokens_per_s"]) == 2 and r["rounds_identical"] == 3

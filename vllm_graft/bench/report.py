@@ -233,6 +233,7 @@ def batch_section(results: dict) -> list[str]:
     fresh = fresh_engines(results)
     lines += rounds_lines(by, fresh)
     lines += step_split_lines(by)
+    lines += guard_round_lines(by)
     lines += warmup_lines(results, fresh)
     for baseline in ("ngram", "eagle3"):
         pairs = [(d, ratio("graft_auto", 1, d, baseline))
@@ -336,6 +337,24 @@ def step_split_lines(by: dict) -> list[str]:
             cells.append(cell)
         lines.append(f"- batch {batch}: " + "; ".join(cells))
     return lines + prefill_lines(by)
+
+
+def guard_round_lines(by: dict) -> list[str]:
+    """What budget auto's guard ran on each dataset in each round: its speculative
+    steps (copy chains, trees) out of its decoding steps. A round's speed against plain
+    decoding says little without it: the same engine may run chains in most steps of
+    one round and in none of the next."""
+    lines = []
+    for (name, batch, dataset), row in by.items():
+        rounds = row.get("round_guard_steps")
+        if not rounds:
+            continue
+        if not lines:
+            lines = ["", "Budget auto's steps by round (copy chains + trees / all decoding "
+                         "steps of the run), each dataset:"]
+        cells = [f"{r.get('chain', 0) + r.get('tree', 0)}/{sum(r.values())}" for r in rounds]
+        lines.append(f"- {name} batch {batch}, {dataset}: " + " ".join(cells))
+    return lines
 
 
 def prefill_lines(by: dict) -> list[str]:

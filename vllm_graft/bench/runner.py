@@ -100,6 +100,14 @@ def load_dataset(name: str, tokenizer, cache_dir: Path, limit: int) -> list[data
     raise ValueError(f"unknown dataset {name!r}")
 
 
+def guard_steps(delta: dict) -> dict[str, int]:
+    """The engine steps budget "auto"'s throughput guard ran in each mode, from a run's
+    counter deltas (empty for other methods)."""
+    return {key.removeprefix("graft_guard_").removesuffix("_steps"): value
+            for key, value in delta.items()
+            if key.startswith("graft_guard_") and key.endswith("_steps") and value}
+
+
 def summarize(method: Method, delta: dict, tokens: int, seconds: float,
               chain_tokens: int) -> dict:
     drafts = delta.get("spec_decode_num_drafts", 0) or 0
@@ -132,9 +140,7 @@ def summarize(method: Method, delta: dict, tokens: int, seconds: float,
         row["stages"] = {k.removeprefix("graft_stage_"): v for k, v in delta.items()
                          if k.startswith("graft_stage_") and v}
         # budget "auto": the engine steps the throughput guard ran in each mode
-        row["guard_steps"] = {k.removeprefix("graft_guard_").removesuffix("_steps"): v
-                              for k, v in delta.items()
-                              if k.startswith("graft_guard_") and k.endswith("_steps") and v}
+        row["guard_steps"] = guard_steps(delta)
         # its chain scout: plain steps it looked at, chain steps it started, chain nodes
         # its looks taught the acceptance model
         row["chain_scout"] = {name: delta.get(f"graft_chain_{key}", 0) for name, key in (
@@ -356,6 +362,8 @@ def run_engines_interleaved(config: BenchConfig, specs: dict[str, dict | None],
                 **first, **split, "seconds": statistics.median(seconds),
                 "round_seconds": seconds,
                 "round_prefill_ms": [run.get("prefill_ms") for run in runs[(label, dataset)]],
+                "round_guard_steps": [guard_steps(run["delta"])
+                                      for run in runs[(label, dataset)]],
                 "rounds_identical": sum(
                     all(run["tokens"][i] == tokens for run in later)
                     for i, tokens in enumerate(first["tokens"]))}
@@ -417,6 +425,8 @@ def run_methods(config: BenchConfig, prompt_ids: dict[str, list], method_list,
                 row["rounds_identical"] = data["rounds_identical"]
             if data.get("round_prefill_ms") and None not in data["round_prefill_ms"]:
                 row["round_prefill_ms"] = [round(x, 1) for x in data["round_prefill_ms"]]
+            if any(data.get("round_guard_steps", ())):  # what budget auto ran, each round
+                row["round_guard_steps"] = data["round_guard_steps"]
             rows.append({"method": method.name, "dataset": dataset, "prompts": len(tokens),
                          **row})
         rows.append({"method": method.name, "dataset": "_engine",

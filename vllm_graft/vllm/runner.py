@@ -597,11 +597,14 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
     if proposer.guard is not None:
         # every rank must draft (or not) alike: the first rank's timing decides
         requests = list(scheduler_output.num_scheduled_tokens)
+        joined = len(scheduler_output.scheduled_new_reqs)
+        if joined:  # new text: what chains measured on the old one counts for less
+            proposer.guard.requests_joined(joined, len(requests))
+            if proposer.scout is not None:
+                proposer.scout.text_changed()
         reach = proposer.guard.within_reach(len(requests), StepMode.TREE)
         following = proposer.would_follow_any(requests, reach)
         mode = proposer.guard.choose(len(requests), () if following else (StepMode.TREE,))
-        if proposer.scout is not None and scheduler_output.scheduled_new_reqs:
-            proposer.scout.text_changed()
         if (mode is StepMode.PLAIN and not proposer.guard.measuring
                 and proposer.scout is not None and proposer.scout.due()):
             stats.counts["chain_scout_looks"] += 1

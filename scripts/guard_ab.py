@@ -1,0 +1,186 @@
+"""Budget auto against its own plain decoding, paired inside one engine process.
+
+A benchmark sweep compares engines in separate processes, and on a shared CPU one
+process runs 10-20 % faster or slower than the next for its whole life (two plain
+engines of one sweep: 0.69-1.60x of each other round by round). That noise is wider
+than what the throughput guard's choices gain or lose at batch 8. Here one budget-auto
+engine runs every dataset twice a round: once as it is (the guard choosing copy chains,
+trees or plain decoding), and once with the guard held to plain decoding (its state and
+its chain scout set aside for that run and given back after it, so the auto runs see
+one continuous engine); the two runs take turns in opposite orders in alternate rounds.
+Their ratio measures what the guard's speculation gains or loses against the same
+process decoding plainly: a process's speed cancels out. What Graft's runner costs a
+plain step against plain decoding itself is measured elsewhere (the sweep's
+``graft_plain`` method, interleaved with plain decoding).
+
+Usage, with a job file a sweep wrote (``OUT/jobs/graft_auto-batch8.job.json``)::
+
+    python scripts/guard_ab.py JOB.json --rounds 6 --out DIR [--guard text_keep=1.0]
+
+``--guard NAME=VALUE`` sets a throughput-guard field for the auto runs (a float), to
+compare guard settings run against run. Writes ``DIR/guard_ab.json`` and prints a
+summary: per dataset the auto runs' speed over the plain runs', round by round, with
+the geometric mean and its 95 % bootstrap interval, and the steps the guard ran in
+each mode. Greedy output must be the same in both runs of every pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def hold_to_plain(worker) -> None:
+    """Set the budget-auto guard and its chain scout aside; a guard of plain decoding
+    only runs until :func:`give_back`."""
+    from vllm_graft.core.budget import ThroughputGuard
+    from vllm_graft.core.config import StepMode
+
+    drafter = worker.model_runner.drafter
+    drafter.held = (drafter.guard, drafter.scout)
+    drafter.guard, drafter.scout = ThroughputGuard(modes=(StepMode.PLAIN,)), None
+
+
+def give_back(worker) -> None:
+    drafter = worker.model_runner.drafter
+    drafter.guard, drafter.scout = drafter.held
+    del drafter.held
+
+
+def set_guard(worker, settings: dict) -> None:
+    guard = worker.model_runner.drafter.guard
+    if guard is None:
+        raise SystemExit("the job's engine has no throughput guard (budget \"auto\")")
+    for name, value in settings.items():
+        if not hasattr(guard, name):
+            raise SystemExit(f"--guard: the throughput guard has no field {name!r}")
+        setattr(guard, name, value)
+
+
+def parse_guard(items: list[str]) -> dict:
+    settings = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--guard takes NAME=VALUE, got {item!r}")
+        settings[name] = float(value)
+    return settings
+
+
+def steal_ticks() -> int | None:
+    """Ticks the hypervisor gave this machine's CPUs to other guests (Linux), if known."""
+    try:
+        with open("/proc/stat") as f:
+            return int(f.readline().split()[8])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def timed_run(llm, job: dict, dataset: str) -> dict:
+    """One run of ``dataset``: its wall seconds, and this process's CPU seconds (every
+    thread's, so work another process or guest took the cores from does not count)."""
+    from vllm_graft.bench.runner import guard_steps
+    from vllm_graft.bench.worker import run_dataset
+
+    cpu, steal = time.process_time(), steal_ticks()
+    run = run_dataset(llm, job, dataset)
+    stolen = None if steal is None else steal_ticks() - steal
+    return {"seconds": run["seconds"], "cpu_seconds": time.process_time() - cpu,
+            "steal_ticks": stolen, "tokens": run["tokens"],
+            "guard_steps": guard_steps(run["delta"])}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("job", type=Path, help="a budget-auto engine's job file from a sweep")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--guard", nargs="*", default=[], metavar="NAME=VALUE")
+    args = parser.parse_args()
+    if args.rounds < 2:
+        parser.error("--rounds must be at least 2 (the pair's order alternates)")
+    job = json.loads(args.job.read_text())
+    if not job.get("spec") or job["spec"].get("graft", {}).get("budget") != "auto":
+        parser.error(f"{args.job}: not a budget-auto Graft engine's job")
+    settings = parse_guard(args.guard)
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm_graft.bench.report import paired_interval
+    from vllm_graft.bench.worker import warm_up
+    from vllm_graft.cli.common import engine
+    from vllm_graft.cli.main import cpu_runtime_defaults
+
+    cpu_runtime_defaults()
+    runs: dict[str, list[dict]] = {name: [] for name in job["datasets"]}
+    started = time.time()
+    with engine(job["target"], job["spec"], **job["engine"]) as llm:
+        llm.collective_rpc(set_guard, args=(settings,))
+        warmup_seconds = warm_up(llm, job)
+        for r in range(args.rounds):
+            for dataset in job["datasets"]:
+                pair = {}
+                for held in ((False, True) if r % 2 == 0 else (True, False)):
+                    if held:
+                        llm.collective_rpc(hold_to_plain)
+                    try:
+                        pair["plain" if held else "auto"] = timed_run(llm, job, dataset)
+                    finally:
+                        if held:
+                            llm.collective_rpc(give_back)
+                if pair["auto"]["tokens"] != pair["plain"]["tokens"]:
+                    raise SystemExit(f"round {r}, {dataset}: greedy output differs between "
+                                     f"the auto and the plain run")
+                runs[dataset].append({key: {k: v for k, v in run.items() if k != "tokens"}
+                                      for key, run in pair.items()})
+                print(f"round {r} {dataset}: auto {pair['auto']['seconds']:.3f} s "
+                      f"{pair['auto']['guard_steps']}, plain {pair['plain']['seconds']:.3f} s",
+                      flush=True)
+    summary = {"job": args.job.name, "guard": settings, "rounds": args.rounds,
+               "warmup_seconds": round(warmup_seconds, 2),
+               "wall_seconds": round(time.time() - started, 1), "datasets": {}}
+    all_ratios = []
+    lines = [f"auto / plain-held speed in one process ({args.rounds} rounds"
+             + (f", guard {settings}" if settings else "") + "):"]
+    all_cpu = []
+    for dataset, pairs in runs.items():
+        ratios = [p["plain"]["seconds"] / p["auto"]["seconds"] for p in pairs]
+        cpu = [p["plain"]["cpu_seconds"] / p["auto"]["cpu_seconds"] for p in pairs]
+        all_ratios += ratios
+        all_cpu += cpu
+        mean, low, high = paired_interval(ratios)
+        cpu_mean, cpu_low, cpu_high = paired_interval(cpu)
+        speculative = [p["auto"]["guard_steps"].get("chain", 0)
+                       + p["auto"]["guard_steps"].get("tree", 0) for p in pairs]
+        steps = [sum(p["auto"]["guard_steps"].values()) for p in pairs]
+        summary["datasets"][dataset] = {
+            "ratios": [round(x, 4) for x in ratios], "mean": round(mean, 4),
+            "interval": [round(low, 4), round(high, 4)],
+            "cpu_ratios": [round(x, 4) for x in cpu], "cpu_mean": round(cpu_mean, 4),
+            "cpu_interval": [round(cpu_low, 4), round(cpu_high, 4)], "runs": pairs}
+        lines.append(f"- {dataset}: wall {mean:.3f}x ({low:.3f}-{high:.3f}), rounds "
+                     + " ".join(f"{x:.2f}" for x in ratios)
+                     + f"; CPU time {cpu_mean:.3f}x ({cpu_low:.3f}-{cpu_high:.3f}), rounds "
+                     + " ".join(f"{x:.2f}" for x in cpu) + "; speculative steps "
+                     + " ".join(f"{s}/{n}" for s, n in zip(speculative, steps)))
+    mean, low, high = paired_interval(all_ratios)
+    cpu_mean, cpu_low, cpu_high = paired_interval(all_cpu)
+    summary.update(mean=round(mean, 4), interval=[round(low, 4), round(high, 4)],
+                   cpu_mean=round(cpu_mean, 4), cpu_interval=[round(cpu_low, 4),
+                                                              round(cpu_high, 4)])
+    lines.append(f"- all: wall {mean:.3f}x ({low:.3f}-{high:.3f}), median "
+                 f"{statistics.median(all_ratios):.3f}; CPU time {cpu_mean:.3f}x "
+                 f"({cpu_low:.3f}-{cpu_high:.3f})")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "guard_ab.json").write_text(json.dumps(summary, indent=2))
+    (args.out / "guard_ab.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
