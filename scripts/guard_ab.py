@@ -15,7 +15,7 @@ plain step against plain decoding itself is measured elsewhere (the sweep's
 
 Usage, with a job file a sweep wrote (``OUT/jobs/graft_auto-batch8.job.json``)::
 
-    python scripts/guard_ab.py JOB.json --rounds 6 --out DIR [--guard text_keep=1.0]
+    python scripts/guard_ab.py JOB.json --rounds 6 --out DIR [--guard text_steps=1e9]
 
 ``--guard NAME=VALUE`` sets a throughput-guard field for the auto runs (a float), to
 compare guard settings run against run. Writes ``DIR/guard_ab.json`` and prints a

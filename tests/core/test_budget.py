@@ -695,18 +695,18 @@ def test_a_batch_speculates_only_where_it_beats_plain_by_the_charge(batch, batch
         ThroughputGuard(batch_charge=-0.1)
 
 
-@pytest.mark.parametrize("text_keep, most_chain_steps", [(0.05, 12), (1.0, None)])
+@pytest.mark.parametrize("text_steps, most_chain_steps", [(2.0, 12), (1e9, None)])
 @pytest.mark.parametrize("seed", range(3))
-def test_a_new_batch_is_not_held_to_what_chains_measured_on_the_last(seed, text_keep,
+def test_a_new_batch_is_not_held_to_what_chains_measured_on_the_last(seed, text_steps,
                                                                     most_chain_steps):
     """Batch 8, a chain step at 1.25x a plain step's time. The first batch's text
     copies its context (most requests emit two or three tokens a chain step: chains run
     at about 1.4x plain's rate); then eight new requests replace it with text that does
-    not (the median request emits one token: 0.73x). Forgetting all but ``text_keep`` of
-    the chains' record when the batch is new, the guard runs chains in at most a dozen
-    of the new batch's 64 steps; keeping it whole (the record of one batch outweighing
-    the next one's evidence) it ran them in more than 50. Text that keeps copying keeps
-    its chains either way."""
+    not (the median request emits one token: 0.73x). With the chains' record of the
+    first text counting as ``text_steps`` steps once the batch is new, the guard runs
+    chains in at most a dozen of the new batch's 64 steps; kept whole (the record of
+    one batch outweighing the next one's evidence) it ran them in more than 50. Text
+    that keeps copying keeps its chains either way."""
     import random
 
     from vllm_graft.core.budget import ThroughputGuard
@@ -716,7 +716,7 @@ def test_a_new_batch_is_not_held_to_what_chains_measured_on_the_last(seed, text_
 
     def run(second_copies: bool) -> int:
         rng = random.Random(seed)
-        guard = ThroughputGuard(modes=(chain, plain), text_keep=text_keep)
+        guard = ThroughputGuard(modes=(chain, plain), text_steps=text_steps)
         chain_steps = 0
         for batch_text in ([1, 2, 2, 3], [1, 2, 2, 3] if second_copies else [1, 1, 1, 2]):
             guard.requests_joined(8, 8)
@@ -736,8 +736,8 @@ def test_a_new_batch_is_not_held_to_what_chains_measured_on_the_last(seed, text_
     else:
         assert run(second_copies=False) <= most_chain_steps
     assert run(second_copies=True) > 56
-    with pytest.raises(ValueError, match="text_keep"):
-        ThroughputGuard(text_keep=0.0)
+    with pytest.raises(ValueError, match="text_steps"):
+        ThroughputGuard(text_steps=0.0)
 
 
 def test_requests_joining_shrink_only_the_chains_record_and_pro_rata():
@@ -745,24 +745,24 @@ def test_requests_joining_shrink_only_the_chains_record_and_pro_rata():
     from vllm_graft.core.config import StepMode
 
     chain, plain = StepMode.CHAIN, StepMode.PLAIN
-    guard = ThroughputGuard(modes=(chain, plain), text_keep=0.25)
-    for mode in (chain, plain, chain):
+    guard = ThroughputGuard(modes=(chain, plain), text_steps=2.0)
+    for mode in [chain, plain] * 6:
         guard.choose(8)
         guard.observe(mode, 8, tokens=12 if mode is chain else 8, seconds=0.01)
-    before = {key: guard.stats[key] for key in guard.stats}
-    rate = guard.rate_of(8, chain)
-    guard.requests_joined(4, 8)  # half the batch is new: 0.25 ** 0.5 of the weight
-    after = guard.stats[(8, chain)]
-    assert after.weight == pytest.approx(before[(8, chain)].weight * 0.5)
-    assert after.step == before[(8, chain)].step  # no sooner probe, no later decay
+    plain_record = guard.stats[(8, plain)]
+    weight, rate, last = guard._stats(8, chain).weight, guard.rate_of(8, chain), \
+        guard.stats[(8, chain)].step
+    guard.requests_joined(4, 8)  # half the batch is new: (2 / weight) ** 0.5 of it
+    assert guard._stats(8, chain).weight == pytest.approx(weight * (2.0 / weight) ** 0.5)
+    assert guard.stats[(8, chain)].step == last  # no sooner probe, no later decay
     assert guard.rate_of(8, chain) == pytest.approx(rate)
-    assert guard.stats[(8, plain)] == before[(8, plain)]
+    assert guard.stats[(8, plain)] == plain_record
     guard.requests_joined(0, 8)
-    assert guard.stats[(8, chain)] == after
-    # a whole new batch leaves less than one step's weight, and a stalled step is still
-    # capped at three mean steps (of 11 ms: 10 charged 10 %)
-    guard.requests_joined(8, 8)
-    assert guard.stats[(8, chain)].weight < 1.0
+    guard.requests_joined(8, 8)  # a whole new batch: two steps' worth
+    assert guard._stats(8, chain).weight == pytest.approx(2.0)
+    guard.requests_joined(8, 8)  # a record of no more than that stays as it is
+    assert guard._stats(8, chain).weight == pytest.approx(2.0)
+    # a stalled step is capped at three mean steps (of 11 ms: 10 charged 10 %)
     assert guard.counted_seconds(chain, 8, 1.0) == pytest.approx(3 * 0.011)
 
 

@@ -494,11 +494,11 @@ def test_guard_ab_pairs_auto_runs_with_plain_runs_of_the_same_engine(tiny_models
     path.write_text(json.dumps(job))
     out = tmp_path / "ab"
     script = ["scripts/guard_ab.py", str(path), "--rounds", "2", "--out", str(out)]
-    done = subprocess.run([sys.executable, *script, "--guard", "text_keep=0.5"],
+    done = subprocess.run([sys.executable, *script, "--guard", "text_steps=4"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "guard_ab.json").read_text())
-    assert summary["guard"] == {"text_keep": 0.5}
+    assert summary["guard"] == {"text_steps": 4.0}
     pairs = summary["datasets"]["a"]["runs"]
     assert len(pairs) == 2 and len(summary["datasets"]["a"]["ratios"]) == 2
     assert all(set(p["plain"]["guard_steps"]) == {"plain"} for p in pairs), pairs

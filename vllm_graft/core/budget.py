@@ -824,14 +824,18 @@ class ThroughputGuard:
 
     What copy chains measured is a property of the text they ran on: whether it copies
     its context. When requests join the batch (:meth:`requests_joined`), the chains'
-    record keeps only ``text_keep`` of its weight for a batch whose every request is
-    new (pro rata for fewer), so the new text's own chain steps decide within a few
-    steps. Measured on a 2-core CPU at batch 8 (SmolLM2-135M, 64 tokens a request): an
-    engine that ran chains in 40 of 54 steps of humaneval, where they paid, went on to
-    run them in 48 of 64 steps of the chat prompts that followed, where they lost; the
+    record of other text counts as at most ``text_steps`` steps for a batch whose every
+    request is new (pro rata for fewer), so the new text's own chain steps decide within
+    a few steps. Measured on a 2-core CPU at batch 8 (SmolLM2-135M, 64 tokens a request):
+    an engine that ran chains in 40 of 50 steps of humaneval, where they paid, went on to
+    run them in 58 of 62 steps of the chat prompts that followed, where they lost; the
     record of one batch outweighed the next batch's evidence for about as long as a
-    batch lasts. Plain decoding's and trees' records stay: their step's cost does not
-    depend on the text, and a drafter's odds depend more on the models than on it.
+    batch lasts. A few steps' worth stays, not less: then the first chain step on the
+    new text does not decide alone (a step that meets a new query length sets up its
+    kernels on this CPU, and one slow step, capped at three mean steps, would otherwise
+    make chains measure slow and hold their next probe back for hundreds of steps).
+    Plain decoding's and trees' records stay: their step's cost does not depend on the
+    text, and a drafter's odds depend more on the models than on it.
 
     The non-tree modes do not run the drafter; the adapter feeds it the positions it
     missed just before the next tree step, so its cache stays complete.
@@ -847,7 +851,7 @@ class ThroughputGuard:
     outlier_steps: float | None = 3.0  # None: every step counts as long as it took
     credit_median: bool = True  # False: a step counts its requests' summed tokens
     batch_charge: float = 0.1  # a speculative step at several requests counts 1.1x its time
-    text_keep: float = 0.05  # what the chains' record keeps when the whole batch is new
+    text_steps: float = 2.0  # the most steps the chains' record weighs for a new batch
     stats: dict[tuple[int, StepMode], _ModeStats] = field(default_factory=dict)
     measured: dict[tuple[int, StepMode], int] = field(default_factory=dict)
     first_seen: dict[int, int] = field(default_factory=dict)  # bucket: guard step
@@ -868,9 +872,9 @@ class ThroughputGuard:
         if self.batch_charge < 0:
             raise ValueError(f"ThroughputGuard batch_charge must be >= 0, got "
                              f"{self.batch_charge}")
-        if not 0.0 < self.text_keep <= 1.0:  # 0 would forget that chains were measured
-            raise ValueError(f"ThroughputGuard text_keep must be in (0, 1], got "
-                             f"{self.text_keep}")
+        if self.text_steps <= 0:  # 0 would forget that chains were ever measured
+            raise ValueError(f"ThroughputGuard text_steps must be > 0, got "
+                             f"{self.text_steps}")
         if self.outlier_steps is not None and self.outlier_steps <= 1:
             raise ValueError(f"ThroughputGuard outlier_steps must be > 1 or None, got "
                              f"{self.outlier_steps}")
@@ -993,14 +997,16 @@ class ThroughputGuard:
 
     def requests_joined(self, joined: int, batch: int) -> None:
         """``joined`` of the ``batch`` requests of the coming steps are new: the copy
-        chains' record, measured on text they replace, keeps ``text_keep`` to the power
-        of the new share of its weight (class doc). Only its weight shrinks: its rate
-        and its last step stay, so a chain measured slower is not probed any sooner."""
+        chains' record, measured on text they replace, shrinks to ``text_steps`` steps'
+        weight, to the power of the new share (class doc). Only its weight shrinks: its
+        rate and its last step stay, so a chain measured slower is not probed sooner."""
         if joined <= 0 or batch <= 0:
             return
-        keep = self.text_keep ** min(joined / batch, 1.0)
+        share = min(joined / batch, 1.0)
         for key, stats in self.stats.items():
-            if key[1] is StepMode.CHAIN:
+            weight = self._stats(key[0], key[1]).weight
+            if key[1] is StepMode.CHAIN and weight > self.text_steps:
+                keep = (self.text_steps / weight) ** share
                 self.stats[key] = _ModeStats(stats.weight * keep, stats.tokens * keep,
                                              stats.tokens_sq * keep,
                                              stats.seconds * keep, stats.step)
