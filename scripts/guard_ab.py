@@ -7,7 +7,9 @@ than what the throughput guard's choices gain or lose at batch 8. Here one budge
 engine runs every dataset twice a round: once as it is (the guard choosing copy chains,
 trees or plain decoding), and once with the guard held to plain decoding (its state and
 its chain scout set aside for that run and given back after it, so the auto runs see
-one continuous engine); the two runs take turns in opposite orders in alternate rounds.
+one continuous engine; the cost model behind budget auto's sizing does learn from the
+plain runs' steps, as it learns from any plain step); the two runs take turns in
+opposite orders in alternate rounds.
 Their ratio measures what the guard's speculation gains or loses against the same
 process decoding plainly: a process's speed cancels out. What Graft's runner costs a
 plain step against plain decoding itself is measured elsewhere (the sweep's
@@ -53,22 +55,39 @@ def give_back(worker) -> None:
 
 
 def set_guard(worker, settings: dict) -> None:
+    """The auto runs' guard with ``settings`` (checked again as the guard checks its
+    own fields at construction)."""
     guard = worker.model_runner.drafter.guard
     if guard is None:
         raise SystemExit("the job's engine has no throughput guard (budget \"auto\")")
     for name, value in settings.items():
-        if not hasattr(guard, name):
-            raise SystemExit(f"--guard: the throughput guard has no field {name!r}")
         setattr(guard, name, value)
+    guard.__post_init__()
 
 
 def parse_guard(items: list[str]) -> dict:
+    """``NAME=VALUE`` pairs of numeric throughput-guard fields, refused before any
+    engine starts when a name is no such field or a value is out of its range."""
+    import dataclasses
+
+    from vllm_graft.core.budget import ThroughputGuard
+
+    numeric = {field.name: int if field.type == "int" else float
+               for field in dataclasses.fields(ThroughputGuard)
+               if field.type in ("float", "int", "float | None") and field.name != "steps"}
     settings = {}
     for item in items:
         name, sep, value = item.partition("=")
         if not sep:
             raise SystemExit(f"--guard takes NAME=VALUE, got {item!r}")
-        settings[name] = float(value)
+        if name not in numeric:
+            raise SystemExit(f"--guard: {name!r} is not a numeric throughput-guard field "
+                             f"(one of {', '.join(sorted(numeric))})")
+        settings[name] = numeric[name](float(value))
+    try:
+        ThroughputGuard(**settings)
+    except (TypeError, ValueError) as error:
+        raise SystemExit(f"--guard: {error}") from None
     return settings
 
 
@@ -102,8 +121,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--guard", nargs="*", default=[], metavar="NAME=VALUE")
     args = parser.parse_args()
-    if args.rounds < 2:
-        parser.error("--rounds must be at least 2 (the pair's order alternates)")
+    if args.rounds < 2 or args.rounds % 2:
+        parser.error("--rounds must be even (the pair's order alternates round by round)")
     job = json.loads(args.job.read_text())
     if not job.get("spec") or job["spec"].get("graft", {}).get("budget") != "auto":
         parser.error(f"{args.job}: not a budget-auto Graft engine's job")

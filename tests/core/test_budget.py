@@ -737,7 +737,7 @@ def test_a_new_batch_is_not_held_to_what_chains_measured_on_the_last(seed, text_
         assert run(second_copies=False) <= most_chain_steps
     assert run(second_copies=True) > 56
     with pytest.raises(ValueError, match="text_steps"):
-        ThroughputGuard(text_steps=0.0)
+        ThroughputGuard(text_steps=0.5)
 
 
 def test_requests_joining_shrink_only_the_chains_record_and_pro_rata():
@@ -752,7 +752,8 @@ def test_requests_joining_shrink_only_the_chains_record_and_pro_rata():
     plain_record = guard.stats[(8, plain)]
     weight, rate, last = guard._stats(8, chain).weight, guard.rate_of(8, chain), \
         guard.stats[(8, chain)].step
-    guard.requests_joined(4, 8)  # half the batch is new: (2 / weight) ** 0.5 of it
+    guard.requests_joined(4, 8)  # half the batch is new: (2 / weight) ** 0.5 of it,
+    # geometrically between the weight and two steps'
     assert guard._stats(8, chain).weight == pytest.approx(weight * (2.0 / weight) ** 0.5)
     assert guard.stats[(8, chain)].step == last  # no sooner probe, no later decay
     assert guard.rate_of(8, chain) == pytest.approx(rate)

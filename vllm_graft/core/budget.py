@@ -825,8 +825,8 @@ class ThroughputGuard:
     What copy chains measured is a property of the text they ran on: whether it copies
     its context. When requests join the batch (:meth:`requests_joined`), the chains'
     record of other text counts as at most ``text_steps`` steps for a batch whose every
-    request is new (pro rata for fewer), so the new text's own chain steps decide within
-    a few steps. Measured on a 2-core CPU at batch 8 (SmolLM2-135M, 64 tokens a request):
+    request is new (geometrically between its weight and that for fewer), so the new
+    text's own chain steps decide within a few steps. Measured on a 2-core CPU at batch 8 (SmolLM2-135M, 64 tokens a request):
     an engine that ran chains in 40 of 50 steps of humaneval, where they paid, went on to
     run them in 58 of 62 steps of the chat prompts that followed, where they lost; the
     record of one batch outweighed the next batch's evidence for about as long as a
@@ -872,8 +872,8 @@ class ThroughputGuard:
         if self.batch_charge < 0:
             raise ValueError(f"ThroughputGuard batch_charge must be >= 0, got "
                              f"{self.batch_charge}")
-        if self.text_steps <= 0:  # 0 would forget that chains were ever measured
-            raise ValueError(f"ThroughputGuard text_steps must be > 0, got "
+        if self.text_steps < 1.0:  # a step's weight or more: the outlier cap holds
+            raise ValueError(f"ThroughputGuard text_steps must be >= 1, got "
                              f"{self.text_steps}")
         if self.outlier_steps is not None and self.outlier_steps <= 1:
             raise ValueError(f"ThroughputGuard outlier_steps must be > 1 or None, got "
@@ -997,9 +997,10 @@ class ThroughputGuard:
 
     def requests_joined(self, joined: int, batch: int) -> None:
         """``joined`` of the ``batch`` requests of the coming steps are new: the copy
-        chains' record, measured on text they replace, shrinks to ``text_steps`` steps'
-        weight, to the power of the new share (class doc). Only its weight shrinks: its
-        rate and its last step stay, so a chain measured slower is not probed sooner."""
+        chains' record, measured on text they replace, shrinks by ``text_steps`` over
+        its weight, to the power of the new share (class doc). Its sums shrink alike:
+        its rate, mean step and last step stay, so a chain measured slower is not
+        probed sooner, though its confidence bound widens with the lost weight."""
         if joined <= 0 or batch <= 0:
             return
         share = min(joined / batch, 1.0)
@@ -1018,8 +1019,7 @@ class ThroughputGuard:
         if mode is not StepMode.PLAIN and batch >= 2:
             seconds *= 1.0 + self.batch_charge
         stats = self._stats(batch, mode)
-        # the mean step is what the cap needs, and a record shrunk by new text keeps it
-        if self.outlier_steps is None or stats is None or stats.weight <= 0.0:
+        if self.outlier_steps is None or stats is None or stats.weight < 1.0:
             return seconds
         return min(seconds, self.outlier_steps * stats.seconds / stats.weight)
 
