@@ -531,6 +531,7 @@ def test_a_mode_is_within_reach_until_measured_well_below_the_fastest():
         guard.observe(chain, 8, tokens=10, seconds=0.1)  # 100
     assert not guard.within_reach(8, tree)  # well below the fastest
     assert guard.within_reach(8, chain) and guard.within_reach(8, plain)
+    guard.steps += 30  # trees' next probe (a loss of 0.6 steps) due within the window
     assert guard.within_reach(8, tree, share=0.4)
     # a batch size not measured is judged by a neighbour (half or twice) that was
     assert not guard.within_reach(16, tree) and not guard.within_reach(4, tree)
@@ -548,6 +549,37 @@ def test_a_mode_is_within_reach_until_measured_well_below_the_fastest():
     for _ in range(500):
         guard.choose(8, unavailable=(tree,))
     assert guard.within_reach(8, tree)
+
+
+def test_a_mode_is_not_within_reach_while_its_next_probe_is_far_away():
+    """Batch 8 on this repository's CPU: a tree step takes five plain steps at 0.3 of
+    plain decoding's rate (charged 10 % at several requests: 5.5 and 0.27), so the probe
+    rule runs trees again only 800 steps after the last (a probe loses 4 plain steps,
+    at most 0.5 % of the steps). Their record fades meanwhile and their bound reaches
+    0.8 of plain's rate within about 350 steps; the drafter would then follow every
+    request for some 450 steps in which no tree runs. In reach only once the probe is
+    due within ``window`` steps."""
+    from vllm_graft.core.budget import ThroughputGuard
+    from vllm_graft.core.config import StepMode
+
+    tree, plain = StepMode.TREE, StepMode.PLAIN
+    guard = ThroughputGuard(modes=(tree, plain), plain_refresh=0)
+    modes, reach, bound_reached = [], [], None
+    for step in range(900):
+        mode = guard.choose(8)
+        modes.append(mode)
+        guard.observe(mode, 8, tokens=12 if mode is tree else 8,
+                      seconds=0.5 if mode is tree else 0.1)  # 24 and 80 tokens/s
+        reach.append(guard.within_reach(8, tree))
+        if bound_reached is None and guard.bound_of(8, tree) >= 0.8 * 80:
+            bound_reached = step
+    probe = modes.index(tree, 1)  # the first tree step after the first probe
+    assert reach[0]  # plain decoding not measured yet: nothing to compare with
+    first = reach.index(True, 1)
+    assert 780 <= probe <= 820, probe
+    assert probe - 110 <= first <= probe - 90, (first, probe)  # a window before it
+    assert not any(reach[1:first]) and all(reach[first:probe])
+    assert bound_reached < first - 300  # where the bound alone put trees in reach
 
 
 def test_an_unavailable_mode_is_neither_probed_nor_chosen():
