@@ -826,11 +826,11 @@ class ThroughputGuard:
     its context. When requests join the batch (:meth:`requests_joined`), the chains'
     record of other text counts as at most ``text_steps`` steps for a batch whose every
     request is new (geometrically between its weight and that for fewer), so the new
-    text's own chain steps decide within a few steps. Measured on a 2-core CPU at batch 8 (SmolLM2-135M, 64 tokens a request):
-    an engine that ran chains in 40 of 50 steps of humaneval, where they paid, went on to
-    run them in 58 of 62 steps of the chat prompts that followed, where they lost; the
-    record of one batch outweighed the next batch's evidence for about as long as a
-    batch lasts. A few steps' worth stays, not less: then the first chain step on the
+    text's own chain steps decide within a few steps. Measured on a 2-core CPU at batch
+    8 (SmolLM2-135M, 64 tokens a request): an engine that ran chains in 40 of 50 steps
+    of humaneval, where they paid, went on to run them in 58 of 62 steps of the chat
+    prompts that followed, where they lost; the record of one batch outweighed the next
+    batch's evidence for about as long as a batch lasts. A few steps' worth stays, not less: then the first chain step on the
     new text does not decide alone (a step that meets a new query length sets up its
     kernels on this CPU, and one slow step, capped at three mean steps, would otherwise
     make chains measure slow and hold their next probe back for hundreds of steps).
@@ -1016,13 +1016,15 @@ class ThroughputGuard:
         if joined <= 0 or batch <= 0:
             return
         share = min(joined / batch, 1.0)
-        for key, stats in self.stats.items():
-            weight = self._stats(key[0], key[1]).weight
-            if key[1] is StepMode.CHAIN and weight > self.text_steps:
+        for (bucket, mode), stats in self.stats.items():
+            if mode is not StepMode.CHAIN:
+                continue
+            weight = self._stats(bucket, mode).weight
+            if weight > self.text_steps:
                 keep = (self.text_steps / weight) ** share
-                self.stats[key] = _ModeStats(stats.weight * keep, stats.tokens * keep,
-                                             stats.tokens_sq * keep,
-                                             stats.seconds * keep, stats.step)
+                self.stats[bucket, mode] = _ModeStats(
+                    stats.weight * keep, stats.tokens * keep, stats.tokens_sq * keep,
+                    stats.seconds * keep, stats.step)
 
     def counted_seconds(self, mode: StepMode, batch: int, seconds: float) -> float:
         """What a step of ``mode`` at ``batch`` that took ``seconds`` counts as: a
