@@ -967,7 +967,8 @@ def test_chain_scout_looks_every_few_plain_steps_and_at_each_while_chains_promis
     assert scout.promising(34.0, 1000.0, plain_rate=30.0)
     assert looks(3) == [1, 2, 3]  # looks at every plain step
     scout.observe(34.0, 1000.0, tokens=17, seconds=2.0)  # half the tokens in twice the time
-    assert scout.correction() == pytest.approx(0.25)
+    # with two prior steps that fared as predicted: 85 / 102 tokens, 3 / 4 of the time
+    assert scout.correction() == pytest.approx(0.625)
     assert not scout.promising(34.0, 1000.0, plain_rate=30.0)
     assert looks(8) == [8]  # back to every 4, doubled by this look
     for _ in range(3):
@@ -979,6 +980,33 @@ def test_chain_scout_looks_every_few_plain_steps_and_at_each_while_chains_promis
         ChainScout(every=0)
     with pytest.raises(ValueError, match="max_every"):
         ChainScout(every=8, max_every=4)
+    with pytest.raises(ValueError, match="prior_steps"):
+        ChainScout(prior_steps=-1.0)
+
+
+def test_one_chain_step_does_not_silence_the_chain_scout():
+    """A fresh engine's only chain step was the guard's warm-up probe on chat: 8
+    tokens credited of 13.5 predicted, in 47.8 ms of 34 predicted (a new query length's
+    set-up). Taken alone that makes a correction of 0.42, and humaneval's first copies
+    (53 tokens predicted in 76 ms, 2.5x plain decoding's rate) no longer beat plain
+    decoding by the margin: the scout never fired, and no chain step ever revised it. With
+    the prior steps it fires; chain steps that keep faring badly still take over."""
+    from vllm_graft.core.budget import ChainScout
+
+    warm_up_probe = dict(expected_tokens=13.5, step_ms=34.0, tokens=8.0, seconds=0.0478)
+    copies = dict(expected_tokens=53.1, step_ms=76.1, plain_rate=282.8)
+    alone = ChainScout(prior_steps=0.0)
+    alone.observe(**warm_up_probe)
+    assert alone.correction() == pytest.approx(0.42, abs=0.005)
+    assert not alone.promising(**copies)
+    scout = ChainScout()
+    scout.observe(**warm_up_probe)
+    assert scout.correction() > 0.7
+    assert scout.promising(**copies)
+    for _ in range(20):  # the copies' chain steps: a third of what was predicted
+        scout.observe(expected_tokens=53.1, step_ms=76.1, tokens=17.7, seconds=0.0761)
+    assert scout.correction() < 0.45
+    assert not scout.promising(**copies)
 
 
 def test_on_chat_the_chain_scout_looks_ever_more_rarely():
