@@ -21,9 +21,11 @@ plain step against plain decoding itself is measured elsewhere (the sweep's
 Usage, with a job file a sweep wrote (``OUT/jobs/graft_auto-batch8.job.json``)::
 
     python scripts/guard_ab.py JOB.json --rounds 6 --out DIR [--guard text_steps=1e9]
+        [--datasets humaneval]
 
 ``--guard NAME=VALUE`` sets a throughput-guard field for the auto runs (a float), to
-compare guard settings run against run. Writes ``DIR/guard_ab.json`` and prints a
+compare guard settings run against run; ``--datasets`` keeps only the named datasets of
+the job (more rounds of one dataset in the same time). Writes ``DIR/guard_ab.json`` and prints a
 summary: per dataset the auto runs' speed over the plain runs', round by round, with
 the geometric mean and its 95 % bootstrap interval, and the steps the guard ran in
 each mode. Greedy output must be the same in both runs of every pair.
@@ -137,6 +139,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--guard", nargs="*", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--datasets", nargs="+", metavar="NAME",
+                        help="only these of the job's datasets (default: all, in its order)")
     args = parser.parse_args()
     if args.rounds < 2 or args.rounds % 2:
         parser.error("--rounds must be even (the pair's order alternates round by round)")
@@ -144,6 +148,12 @@ def main() -> int:
     if not job.get("spec") or job["spec"].get("graft", {}).get("budget") != "auto":
         parser.error(f"{args.job}: not a budget-auto Graft engine's job")
     settings = parse_guard(args.guard)
+    if args.datasets:
+        unknown = [name for name in args.datasets if name not in job["datasets"]]
+        if unknown:
+            parser.error(f"--datasets: {', '.join(unknown)} not in {args.job} (it has "
+                         f"{', '.join(job['datasets'])})")
+        job["datasets"] = {name: job["datasets"][name] for name in args.datasets}
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm_graft.bench.report import paired_interval

@@ -481,7 +481,8 @@ def test_guard_ab_pairs_auto_runs_with_plain_runs_of_the_same_engine(tiny_models
     dataset as the guard chooses and with the guard held to plain decoding, in
     alternating order; the held runs decode plainly only, the auto runs keep their
     guard (they measure every mode), both emit the same greedy tokens (the script
-    fails otherwise), and a guard field that does not exist is refused."""
+    fails otherwise); ``--datasets`` runs only those asked for, and a guard field or
+    dataset that does not exist is refused."""
     import subprocess
     import sys
 
@@ -489,7 +490,8 @@ def test_guard_ab_pairs_auto_runs_with_plain_runs_of_the_same_engine(tiny_models
     job = {"target": str(tiny_models.target),
            "spec": graft_spec(tiny_models.head, budget="auto"), "max_tokens": 12,
            "engine": {"max_model_len": 256, "max_num_seqs": 2},
-           "datasets": {"a": [list(range(5, 45)), list(range(60, 80)) * 2]}}
+           "datasets": {"a": [list(range(5, 45)), list(range(60, 80)) * 2],
+                        "b": [list(range(90, 99))]}}
     path = tmp_path / "job.json"
     path.write_text(json.dumps(job))
     out = tmp_path / "ab"
@@ -497,11 +499,12 @@ def test_guard_ab_pairs_auto_runs_with_plain_runs_of_the_same_engine(tiny_models
 
     script = [str(Path(__file__).parents[2] / "scripts" / "guard_ab.py"), str(path),
               "--rounds", "2", "--out", str(out)]
-    done = subprocess.run([sys.executable, *script, "--guard", "text_steps=4"],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, *script, "--guard", "text_steps=4",
+                           "--datasets", "a"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "guard_ab.json").read_text())
     assert summary["guard"] == {"text_steps": 4.0}
+    assert list(summary["datasets"]) == ["a"]  # only the dataset asked for
     pairs = summary["datasets"]["a"]["runs"]
     assert len(pairs) == 2 and len(summary["datasets"]["a"]["ratios"]) == 2
     assert all(set(p["plain"]["guard_steps"]) == {"plain"} for p in pairs), pairs
@@ -509,9 +512,11 @@ def test_guard_ab_pairs_auto_runs_with_plain_runs_of_the_same_engine(tiny_models
     assert any(set(p["auto"]["guard_steps"]) - {"plain"} for p in pairs), pairs
     assert all(p[k]["seconds"] > 0 for p in pairs for k in ("auto", "plain"))
     assert "auto / plain-held speed" in (out / "guard_ab.md").read_text()
-    for bad, named in (("no_such_field=1", "no_such_field"), ("choose=1", "choose"),
-                       ("text_steps=0", "text_steps")):
-        refused = subprocess.run([sys.executable, *script, "--guard", bad],
+    for bad, named in ((["--guard", "no_such_field=1"], "no_such_field"),
+                       (["--guard", "choose=1"], "choose"),
+                       (["--guard", "text_steps=0"], "text_steps"),
+                       (["--datasets", "a", "nope"], "nope")):
+        refused = subprocess.run([sys.executable, *script, *bad],
                                  capture_output=True, text=True, timeout=600)
         assert refused.returncode != 0 and named in refused.stderr, refused.stderr[-2000:]
         assert "Loading" not in refused.stderr  # refused before any engine started
