@@ -1111,9 +1111,9 @@ class ChainScout:
     and as the scout never fired, no chain step came to revise it: no chain ran in the
     engine's 190 steps of three datasets. Another engine, started alike, drew 0.49;
     the same look fired, and chains ran in 36 of humaneval's 53 steps. Measured on a
-    2-core CPU at batch 8; in the sweeps' rounds that started their engines in the
-    failing one's order (whose steps ran about a tenth slower), budget auto ran no chain
-    on humaneval in 5 of 5.
+    2-core CPU at batch 8 (the traced engine's steps ran about a tenth slower than the
+    other's); in the sweeps' rounds that started their engines in its order, budget auto
+    ran no chain on humaneval in 5 of 5.
 
     A look builds and sizes the batch's chains: about 1 ms at batch 8 on a 2-core CPU,
     4 % of a plain step there, paid once in ``every`` plain steps. Where looks keep
