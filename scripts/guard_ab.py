@@ -25,9 +25,9 @@ Usage, with a job file a sweep wrote (``OUT/jobs/graft_auto-batch8.job.json``)::
 
 ``--guard NAME=VALUE`` sets a throughput-guard field for the auto runs (a float), to
 compare guard settings run against run; ``--datasets`` keeps only the named datasets of
-the job (more rounds of one dataset in the same time). Writes ``DIR/guard_ab.json`` and prints a
-summary: per dataset the auto runs' speed over the plain runs', round by round, with
-the geometric mean and its 95 % bootstrap interval, and the steps the guard ran in
+the job (more rounds of one dataset in the same time). Writes ``DIR/guard_ab.json`` and
+prints a summary: per dataset the auto runs' speed over the plain runs', round by round,
+with the geometric mean and its 95 % bootstrap interval, and the steps the guard ran in
 each mode. Greedy output must be the same in both runs of every pair.
 """
 

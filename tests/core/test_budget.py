@@ -1001,10 +1001,13 @@ def test_one_chain_step_does_not_silence_the_chain_scout():
     assert not alone.promising(**copies)
     scout = ChainScout()
     scout.observe(**warm_up_probe)
+    assert scout.weight == 1.0
     assert scout.correction() > 0.7
     assert scout.promising(**copies)
     for _ in range(20):  # the copies' chain steps: a third of what was predicted
         scout.observe(expected_tokens=53.1, step_ms=76.1, tokens=17.7, seconds=0.0761)
+    # the record's weight fades as its sums do, so the prior's share grows back with it
+    assert scout.weight == pytest.approx(sum(scout.keep ** i for i in range(21)))
     assert scout.correction() < 0.45
     assert not scout.promising(**copies)
 

@@ -268,6 +268,7 @@ def keep_plain_fastest(worker, trust_the_scout: bool) -> None:
     drafter.scout = ChainScout(every=1, margin=0.0 if trust_the_scout else 1e9)
     drafter.scout.tokens = drafter.scout.predicted_ms = drafter.scout.measured_ms = 1e6
     drafter.scout.predicted_tokens = 1e5
+    drafter.scout.weight = 1e3  # a long record: its prior steps weigh next to nothing
 
 
 def scout_correction(worker) -> float:
@@ -283,14 +284,16 @@ def test_chain_steps_the_scout_starts_are_lossless_and_teach_its_correction(
     spec = graft_spec(tiny_models.head, budget="auto", guard_modes=["chain", "plain"])
     with running_llm(tiny_models.target, spec) as llm:
         llm.collective_rpc(keep_plain_fastest, args=(True,))
+        seeded = llm.collective_rpc(scout_correction)[0]
         assert_greedy_identical(llm, PROMPTS, plain_outputs, MAX_TOKENS)
         metrics = spec_metrics(llm)
         correction = llm.collective_rpc(scout_correction)[0]
+    assert seeded == pytest.approx(10.0, rel=0.01)  # tenfold, as seeded
     assert metrics["graft_chain_scout_steps"] > 0, metrics
     assert metrics["graft_chain_scout_looks"] >= metrics["graft_chain_scout_steps"]
     assert metrics["graft_guard_chain_steps"] == metrics["graft_chain_scout_steps"], metrics
     assert metrics["graft_chains_built"] > 0 and metrics["graft_chain_nodes"] > 0, metrics
-    assert correction != pytest.approx(10.0, rel=1e-6)  # the chain steps were measured
+    assert correction != pytest.approx(seeded, rel=1e-6)  # the chain steps were measured
 
 
 def test_the_scouts_looks_teach_the_acceptance_model_while_no_chain_runs(
@@ -515,7 +518,7 @@ def test_guard_ab_pairs_auto_runs_with_plain_runs_of_the_same_engine(tiny_models
     for bad, named in ((["--guard", "no_such_field=1"], "no_such_field"),
                        (["--guard", "choose=1"], "choose"),
                        (["--guard", "text_steps=0"], "text_steps"),
-                       (["--datasets", "a", "nope"], "nope")):
+                       (["--datasets", "a", "nope"], "--datasets: nope not in")):
         refused = subprocess.run([sys.executable, *script, *bad],
                                  capture_output=True, text=True, timeout=600)
         assert refused.returncode != 0 and named in refused.stderr, refused.stderr[-2000:]

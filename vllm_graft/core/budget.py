@@ -830,10 +830,11 @@ class ThroughputGuard:
     8 (SmolLM2-135M, 64 tokens a request): an engine that ran chains in 40 of 50 steps
     of humaneval, where they paid, went on to run them in 58 of 62 steps of the chat
     prompts that followed, where they lost; the record of one batch outweighed the next
-    batch's evidence for about as long as a batch lasts. A few steps' worth stays, not less: then the first chain step on the
-    new text does not decide alone (a step that meets a new query length sets up its
-    kernels on this CPU, and one slow step, capped at three mean steps, would otherwise
-    make chains measure slow and hold their next probe back for hundreds of steps).
+    batch's evidence for about as long as a batch lasts. A few steps' worth stays, not
+    less: then the first chain step on the new text does not decide alone (a step that
+    meets a new query length sets up its kernels on this CPU, and one slow step, capped
+    at three mean steps, would otherwise make chains measure slow and hold their next
+    probe back for hundreds of steps).
     Plain decoding's and trees' records stay: their step's cost does not depend on the
     text, and a drafter's odds depend more on the models than on it.
 
