@@ -23,7 +23,8 @@ Usage, with a job file a sweep wrote (``OUT/jobs/graft_auto-batch8.job.json``)::
     python scripts/guard_ab.py JOB.json --rounds 6 --out DIR [--guard text_steps=1e9]
         [--datasets humaneval]
 
-``--guard NAME=VALUE`` sets a throughput-guard field for the auto runs (a float), to
+``--guard NAME=VALUE`` sets a throughput-guard field for the auto runs (a number; 0 or
+1 for a switch such as ``credit_median``), to
 compare guard settings run against run; ``--datasets`` keeps only the named datasets of
 the job (more rounds of one dataset in the same time). Writes ``DIR/guard_ab.json`` and
 prints a summary: per dataset the auto runs' speed over the plain runs', round by round,
@@ -84,6 +85,13 @@ def set_guard(worker, settings: dict) -> None:
     guard.__post_init__()
 
 
+def switch(value: float) -> bool:
+    """A switch's value given as a number: 0 or 1."""
+    if value not in (0.0, 1.0):
+        raise ValueError(value)
+    return bool(value)
+
+
 def parse_guard(items: list[str]) -> dict:
     """``NAME=VALUE`` pairs of numeric throughput-guard fields, refused before any
     engine starts when a name is no such field or a value is out of its range."""
@@ -91,9 +99,10 @@ def parse_guard(items: list[str]) -> dict:
 
     from vllm_graft.core.budget import ThroughputGuard
 
-    numeric = {field.name: int if field.type == "int" else float
-               for field in dataclasses.fields(ThroughputGuard)
-               if field.type in ("float", "int", "float | None") and field.name != "steps"}
+    kinds = {"int": int, "float": float, "float | None": float, "bool": switch}
+    state = {"steps", "measuring"}  # what the guard keeps as it runs, no setting
+    numeric = {field.name: kinds[field.type] for field in dataclasses.fields(ThroughputGuard)
+               if field.type in kinds and field.name not in state}
     settings = {}
     for item in items:
         name, sep, value = item.partition("=")
@@ -102,7 +111,11 @@ def parse_guard(items: list[str]) -> dict:
         if name not in numeric:
             raise SystemExit(f"--guard: {name!r} is not a numeric throughput-guard field "
                              f"(one of {', '.join(sorted(numeric))})")
-        settings[name] = numeric[name](float(value))
+        try:
+            settings[name] = numeric[name](float(value))
+        except ValueError:
+            wanted = "0 or 1" if numeric[name] is switch else "a number"
+            raise SystemExit(f"--guard: {name} takes {wanted}, got {value!r}") from None
     try:
         ThroughputGuard(**settings)
     except (TypeError, ValueError) as error:
