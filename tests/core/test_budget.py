@@ -877,7 +877,7 @@ def test_the_chain_scout_finds_text_that_copies_its_context_within_a_short_batch
     run_scouted(guard, scout, chain_rate=0.84, predicted_rate=1.2, steps=16)
     assert guard.preferred(batch) is StepMode.PLAIN
     if scout is not None:
-        scout.text_changed()  # the edit requests join the batch
+        scout.text_changed(joined=batch, batch=batch)  # the edit requests join
     edits, rate = run_scouted(guard, scout, chain_rate=1.16, predicted_rate=1.6, steps=64)
     if not scouting:  # the guard alone misses most of the gain
         assert edits[:40].count(chain) == 0 and rate < 1.08 * batch, (edits, rate / batch)
@@ -952,7 +952,9 @@ def test_copied_prefix_scores_chains_as_a_greedy_verification_would():
 def test_chain_scout_looks_every_few_plain_steps_and_at_each_while_chains_promise():
     """Every ``every`` plain steps at first; each look that does not promise doubles the
     steps to the next (up to ``max_every``), one that promises looks at every plain step
-    and brings them back to ``every``, and so does a request joining the batch."""
+    and brings them back to ``every`` at most. A request joining the batch brings them
+    back to ``every``; a batch at least half new looks at its next plain step and backs
+    off from there (its first steps are where new requests copy the most)."""
     from vllm_graft.core.budget import ChainScout
 
     def looks(steps: int) -> list[int]:
@@ -974,14 +976,46 @@ def test_chain_scout_looks_every_few_plain_steps_and_at_each_while_chains_promis
     for _ in range(3):
         scout.promising(34.0, 1000.0, plain_rate=30.0)
     assert looks(32) == [16, 32]  # never more than max_every apart
-    scout.text_changed()
+    scout.text_changed(joined=1, batch=4)
     assert looks(4) == [4]
+    scout.promising(34.0, 1000.0, plain_rate=30.0)
+    scout.text_changed(joined=2, batch=4)  # half the batch is new
+    assert looks(1) == [1]
+    assert not scout.promising(34.0, 1000.0, plain_rate=30.0)
+    assert looks(2) == [2]
+    assert scout.promising(60.0, 1000.0, plain_rate=30.0)  # looks at every step...
+    assert looks(2) == [1, 2]
+    assert not scout.promising(34.0, 1000.0, plain_rate=30.0)
+    assert looks(4) == [4]  # ...and backs off from where it was, not from every
     with pytest.raises(ValueError, match="every"):
         ChainScout(every=0)
     with pytest.raises(ValueError, match="max_every"):
         ChainScout(every=8, max_every=4)
     with pytest.raises(ValueError, match="prior_steps"):
         ChainScout(prior_steps=-1.0)
+
+
+def test_the_chain_scout_looks_at_a_new_batchs_first_steps():
+    """A batch of new requests copies the most in its first steps: humaneval's eight
+    requests at batch 8 repeat their function's signature from the prompt around their
+    seventh token, where a look after the first token, whose matches are one token
+    long, promises nothing. After a batch at least half new joins, the scout looks at
+    plain steps 1, 3, 7, 15, ... until one promises: it reaches those copies, where
+    looking every ``every`` steps from the first would look next at step 9 or 17."""
+    from vllm_graft.core.budget import ChainScout
+
+    scout = ChainScout(every=8, max_every=64)
+    for _ in range(6):  # a batch of chat before: looks far apart
+        scout.promising(10.0, 1000.0, plain_rate=30.0)
+    assert scout.interval == 64
+    scout.text_changed(joined=8, batch=8)
+    looked = []
+    for step in range(1, 40):
+        if scout.due():
+            looked.append(step)
+            copying = 6 <= step <= 8  # the signature's copies: 2x plain decoding's rate
+            scout.promising(60.0 if copying else 10.0, 1000.0, plain_rate=30.0)
+    assert looked == [1, 3, 7, 8, 9, 17, 33], looked
 
 
 def test_one_chain_step_does_not_silence_the_chain_scout():

@@ -325,9 +325,9 @@ def count_text_changes(worker) -> None:
     scout.text_changes, guard.joins = 0, []
     original, original_joined = scout.text_changed, guard.requests_joined
 
-    def text_changed() -> None:
+    def text_changed(joined: int, batch: int) -> None:
         scout.text_changes += 1
-        original()
+        original(joined, batch)
 
     def requests_joined(joined: int, batch: int) -> None:
         guard.joins.append((joined, batch))

@@ -298,7 +298,8 @@ class GraftConfig(BaseModel):
         "steps between two looks at the copy chains the batch's contexts offer; a chain "
         "step runs when they promise to beat plain decoding; each look that finds nothing "
         "doubles the steps to the next, up to 8 times this, until a request joins the "
-        "batch (0: never look)")
+        "batch; a batch at least half new is looked at on its plain steps 1, 3, 7, ... "
+        "(0: never look)")
     successor_state: SuccessorStateConfig | None = Field(
         None, description="file the learned successor matrix is loaded from at start-up and "
         "saved to periodically and at shutdown; unset: it lives in memory only")

@@ -601,7 +601,7 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
         if joined:  # new text: what chains measured on the old one counts for less
             proposer.guard.requests_joined(joined, len(requests))
             if proposer.scout is not None:
-                proposer.scout.text_changed()
+                proposer.scout.text_changed(joined, len(requests))
         reach = proposer.guard.within_reach(len(requests), StepMode.TREE)
         following = proposer.would_follow_any(requests, reach)
         mode = proposer.guard.choose(len(requests), () if following else (StepMode.TREE,))
