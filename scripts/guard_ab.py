@@ -143,7 +143,9 @@ def timed_run(llm, job: dict, dataset: str) -> dict:
     stolen = None if steal is None else steal_ticks() - steal
     return {"seconds": run["seconds"], "cpu_seconds": time.process_time() - cpu,
             "steal_ticks": stolen, "tokens": run["tokens"],
-            "guard_steps": guard_steps(run["delta"])}
+            "guard_steps": guard_steps(run["delta"]),
+            "scout": {"looks": run["delta"].get("graft_chain_scout_looks", 0),
+                      "chain_steps": run["delta"].get("graft_chain_scout_steps", 0)}}
 
 
 def main() -> int:
@@ -199,7 +201,7 @@ def main() -> int:
                 runs[dataset].append({key: {k: v for k, v in run.items() if k != "tokens"}
                                       for key, run in pair.items()})
                 print(f"round {r} {dataset}: auto {pair['auto']['seconds']:.3f} s "
-                      f"{pair['auto']['guard_steps']}, plain {pair['plain']['seconds']:.3f} s",
+                      f"{pair['auto']['guard_steps']} (scout {pair['auto']['scout']}), plain {pair['plain']['seconds']:.3f} s",
                       flush=True)
     summary = {"job": args.job.name, "guard": settings, "rounds": args.rounds,
                "warmup_seconds": round(warmup_seconds, 2),

@@ -526,7 +526,8 @@ def test_a_mode_is_within_reach_until_measured_well_below_the_fastest():
     for _ in range(20):
         guard.observe(plain, 8, tokens=8, seconds=0.1)  # 80 tokens/s
         guard.observe(tree, 8, tokens=4, seconds=0.1)  # 40
-    assert guard.within_reach(8, tree)  # chain not measured at batch 8 yet
+    # well below plain decoding: chains, not measured at batch 8 yet, change nothing
+    assert not guard.within_reach(8, tree)
     for _ in range(20):
         guard.observe(chain, 8, tokens=10, seconds=0.1)  # 100
     assert not guard.within_reach(8, tree)  # well below the fastest
@@ -798,6 +799,44 @@ def test_requests_joining_shrink_only_the_chains_record_and_pro_rata():
     # a stalled step is capped at three mean steps (of 11 ms: 10 charged 10 %)
     assert guard.counted_seconds(chain, 8, 1.0) == pytest.approx(3 * 0.011)
 
+
+
+def test_a_scouted_new_batch_runs_chains_once_they_are_measured_on_it_again():
+    """Where a chain scout looks at new batches, a batch of several requests at least
+    half new drops the chains' record: chains measured faster on the last batch's text
+    no longer run on the new one until a chain step (the scout's) measures them there.
+    A single request, a minority joining, an unscouted guard or the switch off keep the
+    shrunk record, whose rate still beats plain decoding's."""
+    from vllm_graft.core.budget import ThroughputGuard
+    from vllm_graft.core.config import StepMode
+
+    chain, plain = StepMode.CHAIN, StepMode.PLAIN
+
+    def measured(batch: int, **fields) -> ThroughputGuard:
+        guard = ThroughputGuard(modes=(chain, plain), **fields)
+        for mode in [chain, plain] * 6:
+            guard.choose(batch)
+            guard.observe(mode, batch, tokens=(1.5 if mode is chain else 1.0) * batch,
+                          seconds=0.01)
+        return guard
+
+    guard = measured(8)
+    plain_record = guard.stats[(8, plain)]
+    guard.requests_joined(4, 8, scouted=True)
+    assert guard.rate_of(8, chain) is None and guard.stats[(8, plain)] == plain_record
+    for _ in range(40):
+        assert guard.choose(8) is plain
+        guard.observe(plain, 8, tokens=8, seconds=0.01)
+    guard.observe(chain, 8, tokens=12, seconds=0.01)  # the scout's chain step
+    assert guard.choose(8) is chain
+
+    kept = [(measured(1), 1, 1, True), (measured(8), 3, 8, True), (measured(8), 8, 8, False),
+            (measured(8, scout_new_batches=False), 8, 8, True)]
+    for guard, joined, batch, scouted in kept:
+        guard.requests_joined(joined, batch, scouted=scouted)
+        charge = 1.0 + (guard.batch_charge if batch >= 2 else 0.0)
+        assert guard.rate_of(batch, chain) == pytest.approx(1.5 * batch / (0.01 * charge))
+        assert guard.choose(batch) is chain
 
 @pytest.mark.parametrize("seed", range(2))
 def test_where_plain_decoding_is_fastest_exploring_costs_about_one_percent(seed):

@@ -92,15 +92,24 @@ def step_cost_lines(worker) -> dict:
     return {mode.value: cost.steps.line(4, mode) for mode in cost.steps.modes()}
 
 
+def keep_chain_records(worker) -> None:
+    """New batches shrink the guard's record of copy chains instead of leaving chains on
+    them to the chain scout (``scout_new_batches`` off)."""
+    worker.model_runner.drafter.guard.scout_new_batches = False
+
+
 def test_throughput_guard_decodes_in_the_measured_fastest_mode(tiny_models, plain_outputs,
                                                                tmp_path, monkeypatch):
     """Long greedy generations at one batch size: the guard measures every mode, then
-    runs the fastest one most of the time; output identical whichever mode ran."""
+    runs the fastest one most of the time; output identical whichever mode ran. (The
+    second batch is all new: the guard keeps its chain record, so that what it chooses
+    is its own measurement of every mode, not the scout's reading of the text.)"""
     from vllm import SamplingParams
 
     monkeypatch.setenv("VLLM_GRAFT_CACHE", str(tmp_path))
     spec = graft_spec(tiny_models.head, budget="auto")
     with running_llm(tiny_models.target, spec, max_num_seqs=4) as llm:
+        llm.collective_rpc(keep_chain_records)
         assert_greedy_identical(llm, PROMPTS[:4], plain_outputs[:4], MAX_TOKENS)
         llm.generate(PROMPTS[4:8], SamplingParams(temperature=0.0, max_tokens=160,
                                                   ignore_eos=True), use_tqdm=False)
@@ -329,9 +338,9 @@ def count_text_changes(worker) -> None:
         scout.text_changes += 1
         original(joined, batch)
 
-    def requests_joined(joined: int, batch: int) -> None:
-        guard.joins.append((joined, batch))
-        original_joined(joined, batch)
+    def requests_joined(joined: int, batch: int, scouted: bool = False) -> None:
+        guard.joins.append((joined, batch, scouted))
+        original_joined(joined, batch, scouted)
 
     scout.text_changed, guard.requests_joined = text_changed, requests_joined
 
@@ -347,7 +356,7 @@ def test_the_scout_backs_off_and_new_requests_bring_its_looks_back(
     never promise: its looks back off, so it looks at far fewer plain steps than the
     guard decodes; and the runner tells it of new text whenever requests join the batch
     (each prompt arrives in some step, at most one call per such step), and the guard
-    how many of the step's requests joined, each prompt once."""
+    how many of the step's requests joined, each prompt once, and that a scout looks."""
     monkeypatch.setenv("VLLM_GRAFT_CACHE", str(tmp_path))
     spec = graft_spec(tiny_models.head, budget="auto", guard_modes=["chain", "plain"])
     with running_llm(tiny_models.target, spec) as llm:
@@ -357,8 +366,8 @@ def test_the_scout_backs_off_and_new_requests_bring_its_looks_back(
         metrics = spec_metrics(llm)
         changes, joins = llm.collective_rpc(scout_text_changes)[0]
     assert 1 <= changes <= len(PROMPTS), changes
-    assert len(joins) == changes and sum(joined for joined, _ in joins) == len(PROMPTS)
-    assert all(0 < joined <= batch for joined, batch in joins), joins
+    assert len(joins) == changes and sum(joined for joined, _, _ in joins) == len(PROMPTS)
+    assert all(0 < joined <= batch and scouted for joined, batch, scouted in joins), joins
     looks, plain_steps = metrics["graft_chain_scout_looks"], metrics["graft_guard_plain_steps"]
     assert 0 < looks < plain_steps / 2, (looks, plain_steps)
 

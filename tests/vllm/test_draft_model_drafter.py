@@ -48,7 +48,7 @@ class AlternatingGuard:
     def within_reach(self, batch: int, mode) -> bool:
         return True  # the drafter follows every request
 
-    def requests_joined(self, joined: int, batch: int) -> None:
+    def requests_joined(self, joined: int, batch: int, scouted: bool = False) -> None:
         pass
 
     def counted_seconds(self, mode, batch: int, seconds: float) -> float:

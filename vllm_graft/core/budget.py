@@ -853,6 +853,7 @@ class ThroughputGuard:
     credit_median: bool = True  # False: a step counts its requests' summed tokens
     batch_charge: float = 0.1  # a speculative step at several requests counts 1.1x its time
     text_steps: float = 2.0  # the most steps the chains' record weighs for a new batch
+    scout_new_batches: bool = True  # a scouted new batch of several drops that record
     stats: dict[tuple[int, StepMode], _ModeStats] = field(default_factory=dict)
     measured: dict[tuple[int, StepMode], int] = field(default_factory=dict)
     first_seen: dict[int, int] = field(default_factory=dict)  # bucket: guard step
@@ -918,11 +919,15 @@ class ThroughputGuard:
         """Whether ``mode`` may still be worth preparing for at ``batch``: it is one of
         the guard's modes and the rate it could have (its upper bound, which widens as
         its measurements fade) is at least ``share`` of the fastest mode's measured
-        rate there. A batch size not yet measured in every mode is judged by a
-        neighbouring one (half or twice) that was: a batch of 32 whose prompts arrive in
-        two prefill chunks is seen at 16 requests first, and the drafter followed every
-        one of them, reading each prompt, where trees at 32 were far too slow to run.
-        True where neither neighbour was measured either.
+        rate there, of the modes measured there (a mode not measured yet is no reason
+        to prepare for another: a fresh engine's warm-up measured trees and plain
+        decoding at batch 32, not chains, and the drafter read every prompt of the
+        first batches there, 2 % of their time, where trees ran at a fifth of plain
+        decoding's rate). A batch size where ``mode`` or every other mode was not
+        measured is judged by a neighbouring one (half or twice) that was: a batch of 32
+        whose prompts arrive in two prefill chunks is seen at 16 requests first, and the
+        drafter followed every one of them, reading each prompt, where trees at 32 were
+        far too slow to run. True where neither neighbour was measured either.
 
         A mode measured slower is also in reach only once its next probe is due within
         ``window`` steps (:meth:`_probe_due`): preparing for a mode that will not run
@@ -935,8 +940,9 @@ class ThroughputGuard:
         bucket = batch_bucket(batch)
         neighbours = [size for size in (bucket // 2, 2 * bucket) if size >= 1]
         for size in [bucket] + nearest_buckets(neighbours, bucket):
-            rates = {m: self.rate_of(size, m) for m in self.modes}
-            if all(rate is not None for rate in rates.values()):
+            rates = {m: rate for m in self.modes
+                     if (rate := self.rate_of(size, m)) is not None}
+            if mode in rates and len(rates) >= 2:
                 fastest = max(rates, key=rates.get)
                 return (self.bound_of(size, mode) >= share * rates[fastest]
                         and (mode is fastest or self._probe_due(size, mode, fastest,
@@ -1008,13 +1014,27 @@ class ThroughputGuard:
             return (self.steps - self.first_seen[bucket]) * self.probe_share >= loss
         return True
 
-    def requests_joined(self, joined: int, batch: int) -> None:
+    def requests_joined(self, joined: int, batch: int, scouted: bool = False) -> None:
         """``joined`` of the ``batch`` requests of the coming steps are new: the copy
         chains' record, measured on text they replace, shrinks by ``text_steps`` over
         its weight, to the power of the new share (class doc). Its sums shrink alike:
         its rate, mean step and last step stay, so a chain measured slower is not
-        probed sooner, though its confidence bound widens with the lost weight."""
+        probed sooner, though its confidence bound widens with the lost weight.
+
+        Where a :class:`ChainScout` looks at new batches (``scouted``) and at least half
+        of a batch of several requests is new, the record is dropped instead (with
+        ``scout_new_batches``): chains run on the new text once the scout, which reads
+        it, finds them worth a step, and from then on the guard measures them as ever.
+        A record of faster chains on other text, weighing two steps, put the chains'
+        bound above plain decoding's: the guard ran one to three chain steps at the
+        start of each batch that did not copy, each at 1.4-1.9 plain steps at batch 32
+        (measured on a 2-core CPU, SmolLM2-135M, chat after code). At one request the
+        record shrinks as above: nothing there waits for a slower request."""
         if joined <= 0 or batch <= 0:
+            return
+        if scouted and self.scout_new_batches and batch >= 2 and 2 * joined >= batch:
+            for key in [key for key in self.stats if key[1] is StepMode.CHAIN]:
+                del self.stats[key]
             return
         share = min(joined / batch, 1.0)
         for (bucket, mode), stats in self.stats.items():

@@ -599,7 +599,8 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
         requests = list(scheduler_output.num_scheduled_tokens)
         joined = len(scheduler_output.scheduled_new_reqs)
         if joined:  # new text: what chains measured on the old one counts for less
-            proposer.guard.requests_joined(joined, len(requests))
+            proposer.guard.requests_joined(joined, len(requests),
+                                           scouted=proposer.scout is not None)
             if proposer.scout is not None:
                 proposer.scout.text_changed(joined, len(requests))
         reach = proposer.guard.within_reach(len(requests), StepMode.TREE)
