@@ -1026,6 +1026,14 @@ def test_chain_scout_looks_every_few_plain_steps_and_at_each_while_chains_promis
     assert looks(2) == [1, 2]
     assert not scout.promising(34.0, 1000.0, plain_rate=30.0)
     assert looks(4) == [4]  # ...and backs off from where it was, not from every
+    assert scout.promising(60.0, 1000.0, plain_rate=30.0)  # fires, 4 steps apart...
+    scout.fired_step(gained=True)
+    assert looks(1) == [1]  # ...its step gained: the next plain step is looked at
+    assert scout.promising(60.0, 1000.0, plain_rate=30.0)
+    scout.fired_step(gained=False)  # a step that gained nothing: as a look that did
+    assert looks(8) == [8]  # not promise, twice the 4 steps it fired at
+    scout.fired_step(gained=False)  # nothing fired since: the looks stay as they are
+    assert looks(8) == [8]
     with pytest.raises(ValueError, match="every"):
         ChainScout(every=0)
     with pytest.raises(ValueError, match="max_every"):

@@ -263,8 +263,8 @@ def keep_plain_fastest(worker, trust_the_scout: bool) -> None:
     """The guard measures copy chains far slower than plain decoding at every batch size,
     with weight that outlasts the test (so it never picks chains itself), and the chain
     scout looks at every plain step, its predictions corrected tenfold upwards
-    (``trust_the_scout``: every chain step the test sees is the scout's) or it never
-    fires."""
+    (``trust_the_scout``: every chain step the test sees is the scout's, and one that
+    gains nothing does not space its looks out) or it never fires."""
     from vllm_graft.core.budget import ChainScout, ThroughputGuard, _ModeStats
     from vllm_graft.core.config import StepMode
 
@@ -274,7 +274,8 @@ def keep_plain_fastest(worker, trust_the_scout: bool) -> None:
         guard.stats[(bucket, StepMode.CHAIN)] = _ModeStats(1e6, 1e6, 1e6, 1e6)
         guard.measured[(bucket, StepMode.CHAIN)] = 1
     drafter.guard = guard
-    drafter.scout = ChainScout(every=1, margin=0.0 if trust_the_scout else 1e9)
+    drafter.scout = ChainScout(every=1, margin=0.0 if trust_the_scout else 1e9,
+                               max_every=1 if trust_the_scout else None)
     drafter.scout.tokens = drafter.scout.predicted_ms = drafter.scout.measured_ms = 1e6
     drafter.scout.predicted_tokens = 1e5
     drafter.scout.weight = 1e3  # a long record: its prior steps weigh next to nothing

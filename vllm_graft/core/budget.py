@@ -1174,6 +1174,7 @@ class ChainScout:
         self.plain_steps = 0  # plain steps since the last look
         self.interval = every  # plain steps from one look to the next
         self.promised = False  # the last look found chains worth a step
+        self.unpromised_interval = every  # where that look would have left the interval
 
     def due(self) -> bool:
         """Called once per step the guard decodes plainly: whether to look this step."""
@@ -1214,9 +1215,22 @@ class ChainScout:
         else:
             rate = 1e3 * expected_tokens / step_ms * self.correction()
             self.promised = rate >= (1.0 + self.margin) * plain_rate
+        self.unpromised_interval = min(2 * self.interval, self.max_every)
         self.interval = min(self.interval, self.every) if self.promised \
-            else min(2 * self.interval, self.max_every)
+            else self.unpromised_interval
         return self.promised
+
+    def fired_step(self, gained: bool) -> None:
+        """The chain step the last look fired was measured: ``gained`` whether it
+        emitted more than a plain step would have (the guard's credit over one token a
+        request). One that gained nothing counts as a look that did not promise: the
+        next look waits twice as long as the one before. Kept at ``every`` at most, a
+        scout that fired on chat looked again within 8 steps and fired again (two chain
+        steps a run on mtbench and gsm8k at batch 8, each emitting a token a request
+        at 1.2-1.6 plain steps' time, on a 2-core CPU)."""
+        if self.promised and not gained:
+            self.promised = False
+            self.interval = self.unpromised_interval
 
     def observe(self, expected_tokens: float, step_ms: float, tokens: float,
                 seconds: float) -> None:

@@ -279,6 +279,7 @@ class GraftTreeDrafting:
         self.scout: ChainScout | None = None
         self.scouted: tuple[list[SettledRows], list[int], HostChains, Choice | None] | None \
             = None
+        self.scout_fired = False  # the chain scout started the step being proposed
         # per request, the whole chain of the last chain build (a scout's look or a chain
         # step) until decoding has emitted the positions it proposed
         self.shadows: dict[str, ShadowChain] = {}

@@ -593,6 +593,7 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
     if step is not None and step.result is not None:
         read_settled()
     _observe_step(runner, scheduler_output, settled, step)  # before choosing the next
+    proposer.scout_fired = False
     following = True
     if proposer.guard is not None:
         # every rank must draft (or not) alike: the first rank's timing decides
@@ -612,6 +613,7 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
             if proposer.scout_chains(runner, read_settled(), proposer.guard.rate_of(
                     len(requests), StepMode.PLAIN)):
                 mode = StepMode.CHAIN
+                proposer.scout_fired = True
                 stats.counts["chain_scout_steps"] += 1
         proposer.mode, proposer.trees_in_reach = agree((mode, reach))
     if proposer.mode is StepMode.PLAIN and not following:
@@ -698,6 +700,8 @@ def _observe_step(runner, scheduler_output, settled: list[SettledRows] | None,
             # them (a batch's chain step charged, a stall capped)
             proposer.scout.observe(choice.step_tokens(batch), choice.step_ms, credited,
                                    guard.counted_seconds(mode, batch, seconds))
+            if proposer.scout_fired:
+                proposer.scout.fired_step(gained=credited > batch)
         guard.observe(mode, batch, credited, seconds)
     if forward_ms is not None:
         nodes = max(scheduler_output.total_num_scheduled_tokens - batch, 0)
