@@ -201,8 +201,8 @@ def main() -> int:
                 runs[dataset].append({key: {k: v for k, v in run.items() if k != "tokens"}
                                       for key, run in pair.items()})
                 print(f"round {r} {dataset}: auto {pair['auto']['seconds']:.3f} s "
-                      f"{pair['auto']['guard_steps']} (scout {pair['auto']['scout']}), plain {pair['plain']['seconds']:.3f} s",
-                      flush=True)
+                      f"{pair['auto']['guard_steps']} (scout {pair['auto']['scout']}), "
+                      f"plain {pair['plain']['seconds']:.3f} s", flush=True)
     summary = {"job": args.job.name, "guard": settings, "rounds": args.rounds,
                "warmup_seconds": round(warmup_seconds, 2),
                "wall_seconds": round(time.time() - started, 1), "datasets": {}}

@@ -800,7 +800,6 @@ def test_requests_joining_shrink_only_the_chains_record_and_pro_rata():
     assert guard.counted_seconds(chain, 8, 1.0) == pytest.approx(3 * 0.011)
 
 
-
 def test_a_scouted_new_batch_runs_chains_once_they_are_measured_on_it_again():
     """Where a chain scout looks at new batches, a batch of several requests at least
     half new drops the chains' record: chains measured faster on the last batch's text
@@ -837,6 +836,7 @@ def test_a_scouted_new_batch_runs_chains_once_they_are_measured_on_it_again():
         charge = 1.0 + (guard.batch_charge if batch >= 2 else 0.0)
         assert guard.rate_of(batch, chain) == pytest.approx(1.5 * batch / (0.01 * charge))
         assert guard.choose(batch) is chain
+
 
 @pytest.mark.parametrize("seed", range(2))
 def test_where_plain_decoding_is_fastest_exploring_costs_about_one_percent(seed):

@@ -57,6 +57,13 @@ def nearest_buckets(sizes, bucket: int) -> list[int]:
     return sorted(sizes, key=lambda size: (abs(math.log2(size / bucket)), size))
 
 
+def mostly_new(joined: int, batch: int) -> bool:
+    """Whether a batch whose ``joined`` of ``batch`` requests just arrived is new text
+    (at least half of it): the chain scout looks at its first steps, and the guard
+    leaves its chains to the scout."""
+    return 2 * joined >= batch
+
+
 def non_decreasing(values: list[float]) -> list[float]:
     """The least-squares non-decreasing fit of ``values`` (pool adjacent violators):
     each run that decreases is replaced by its mean."""
@@ -1032,7 +1039,7 @@ class ThroughputGuard:
         record shrinks as above: nothing there waits for a slower request."""
         if joined <= 0 or batch <= 0:
             return
-        if scouted and self.scout_new_batches and batch >= 2 and 2 * joined >= batch:
+        if scouted and self.scout_new_batches and batch >= 2 and mostly_new(joined, batch):
             for key in [key for key in self.stats if key[1] is StepMode.CHAIN]:
                 del self.stats[key]
             return
@@ -1188,7 +1195,7 @@ class ChainScout:
         """``joined`` of the ``batch`` requests of the coming steps are new: look every
         ``every`` plain steps again, or, where at least half the batch is new, at the
         next plain step and back off from there (class doc)."""
-        if 2 * joined >= batch:
+        if mostly_new(joined, batch):
             self.interval, self.plain_steps = 1, 0
         else:
             self.interval = min(self.interval, self.every)
