@@ -285,6 +285,29 @@ def scout_correction(worker) -> float:
     return worker.model_runner.drafter.scout.correction()
 
 
+def record_fired_steps(worker) -> None:
+    """Keep, in order, the runner's calls of the chain scout's ``fired_step`` and of the
+    guard's ``observe`` (the mode, batch and tokens it credits each measured step)."""
+    drafter = worker.model_runner.drafter
+    scout, guard = drafter.scout, drafter.guard
+    guard.events = []
+    original_fired, original_observe = scout.fired_step, guard.observe
+
+    def fired_step(gained: bool) -> None:
+        guard.events.append(("fired", gained))
+        original_fired(gained)
+
+    def observe(mode, batch: int, tokens: float, seconds: float) -> None:
+        guard.events.append(("observed", mode.value, batch, tokens))
+        original_observe(mode, batch, tokens, seconds)
+
+    scout.fired_step, guard.observe = fired_step, observe
+
+
+def fired_and_observed(worker) -> list:
+    return worker.model_runner.drafter.guard.events
+
+
 def test_chain_steps_the_scout_starts_are_lossless_and_teach_its_correction(
         tiny_models, plain_outputs, tmp_path, monkeypatch):
     """While the guard decodes plainly, the chain scout's chain steps verify copy chains
@@ -294,16 +317,26 @@ def test_chain_steps_the_scout_starts_are_lossless_and_teach_its_correction(
     spec = graft_spec(tiny_models.head, budget="auto", guard_modes=["chain", "plain"])
     with running_llm(tiny_models.target, spec) as llm:
         llm.collective_rpc(keep_plain_fastest, args=(True,))
+        llm.collective_rpc(record_fired_steps)
         seeded = llm.collective_rpc(scout_correction)[0]
         assert_greedy_identical(llm, PROMPTS, plain_outputs, MAX_TOKENS)
         metrics = spec_metrics(llm)
         correction = llm.collective_rpc(scout_correction)[0]
+        events = llm.collective_rpc(fired_and_observed)[0]
     assert seeded == pytest.approx(10.0, rel=0.01)  # tenfold, as seeded
     assert metrics["graft_chain_scout_steps"] > 0, metrics
     assert metrics["graft_chain_scout_looks"] >= metrics["graft_chain_scout_steps"]
     assert metrics["graft_guard_chain_steps"] == metrics["graft_chain_scout_steps"], metrics
     assert metrics["graft_chains_built"] > 0 and metrics["graft_chain_nodes"] > 0, metrics
     assert correction != pytest.approx(seeded, rel=1e-6)  # the chain steps were measured
+    # each measured chain step the scout fired tells it whether the step gained: more
+    # tokens than one a request, as the guard credits the same step right after
+    fired = [i for i, event in enumerate(events) if event[0] == "fired"]
+    chain_observed = [event for event in events if event[:2] == ("observed", "chain")]
+    assert 0 < len(fired) == len(chain_observed) <= metrics["graft_chain_scout_steps"], events
+    for i in fired:
+        (_, gained), (_, mode, batch, tokens) = events[i], events[i + 1]
+        assert mode == "chain" and gained == (tokens > batch), events[i:i + 2]
 
 
 def test_the_scouts_looks_teach_the_acceptance_model_while_no_chain_runs(
