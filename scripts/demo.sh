@@ -5,7 +5,7 @@
 # with every token coloured by its source (drafted, retrieved, both, or the target's
 # own), then a table next to plain decoding (greedy: token-identical). Engine logs go
 # to $VLLM_GRAFT_CACHE/logs/generate.log (--verbose shows them).
-#   scripts/demo.sh                         # four built-in chat prompts
+#   scripts/demo.sh                         # five built-in chat prompts (one edits code)
 #   scripts/demo.sh --prompts FILE --max-tokens 256
 #   scripts/demo.sh --json                  # the same as JSON, per-token sources included
 #   DEMO=tiny scripts/demo.sh               # seconds: tiny random models instead

@@ -88,3 +88,20 @@ def test_comparison_table_lists_the_compared_numbers():
     for expected in ("tokens/s", "50.0", "100.0", "MAT", "1.98", "0.50x", "1.62",
                      "83 %", "greedy output identical", "yes"):
         assert expected in out, expected
+
+
+def test_comparison_table_shows_budget_autos_modes_and_the_warm_up():
+    report = {"graft": {"tokens_per_s": 90.0,
+                        "steps_by_mode": {"tree": 2, "chain": 30, "plain": 40}},
+              "plain": {"tokens_per_s": 80.0}, "speedup": 1.125, "warmup_tokens": 16}
+    console = Console(file=io.StringIO(), width=100)
+    console.print(comparison_table(report))
+    out = console.file.getvalue()
+    for expected in ("steps: tree / chain / plain", "2 / 30 / 40", "1.12x",
+                     "untimed warm-up (16 tokens a prompt)"):
+        assert expected in out, expected
+    del report["warmup_tokens"], report["graft"]["steps_by_mode"]
+    console = Console(file=io.StringIO(), width=100)
+    console.print(comparison_table(report))
+    assert "warm-up" not in console.file.getvalue()
+    assert "steps:" not in console.file.getvalue()

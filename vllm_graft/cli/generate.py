@@ -9,7 +9,11 @@ Prompts come one per line from ``--prompts`` (or a few built-in ones). With ``--
 each prompt is a user message rendered with the model's chat template (what an
 instruction-tuned model and its EAGLE-3 head were trained on). With ``--compare`` the
 same prompts are also generated without speculation, in the same process, and the run
-reports whether greedy outputs are token-identical and the speed ratio.
+reports whether greedy outputs are token-identical and the speed ratio. Each engine first
+generates ``--warmup-tokens`` tokens for as many prompts of its own (untimed, not
+counted, the prefix cache reset after): a fresh engine's first steps set up kernels for
+each new shape, and budget "auto" measures its modes there, costs a server pays once
+and a run of a few prompts would otherwise be timed on.
 ``--show-sources`` colours each answer token by its source (drafted, retrieved, both,
 or produced by the target); ``--json`` prints the report, per-token sources included,
 for scripts. Engine logs go to a file unless ``--verbose``.
@@ -24,7 +28,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from vllm_graft.cli.common import counters, engine
+from vllm_graft.cli.common import counter_delta, counters, engine
 from vllm_graft.cli.sources import LABELS, label_output, records_by_request, text_pieces
 from vllm_graft.cli.view import comparison_table, engine_logs_to, log_tail, show_answer
 
@@ -34,11 +38,25 @@ DEFAULT_PROMPTS = [
     "for i in range(10):\n    print(i)\nfor i in range(10):\n",
     "The quick brown fox jumps over the lazy dog. The quick brown",
 ]
+#: the warm-up's text, in no built-in prompt
+WARMUP_PROMPT = "Describe a walk through a city park in autumn."
 DEFAULT_CHAT_PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",
     "Explain in a few sentences why the sky is blue.",
     "Give me three tips for writing clean, readable code.",
     "What is the difference between a list and a tuple in Python?",
+    # an edit of given code: the answer copies its context, as coding assistants' do
+    "Add type hints and a docstring to this function:\n\n"
+    "def moving_average(values, window):\n"
+    "    averages = []\n"
+    "    total = 0\n"
+    "    for i, value in enumerate(values):\n"
+    "        total += value\n"
+    "        if i >= window:\n"
+    "            total -= values[i - window]\n"
+    "        if i >= window - 1:\n"
+    "            averages.append(total / window)\n"
+    "    return averages",
 ]
 
 
@@ -53,6 +71,9 @@ def parse_args(argv):
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--warmup-tokens", type=int, default=16,
+                   help="untimed tokens each engine first generates for as many prompts "
+                   "of its own (0: none)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="generate max-tokens tokens even past the end of an answer "
@@ -67,7 +88,10 @@ def parse_args(argv):
                    help="show engine logs instead of writing them to --log-file")
     p.add_argument("--log-file", type=Path, default=None,
                    help="where engine logs go (default: $VLLM_GRAFT_CACHE/logs/generate.log)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.warmup_tokens < 0:
+        p.error(f"--warmup-tokens must be 0 or more, got {args.warmup_tokens}")
+    return args
 
 
 def load_prompts(path: str | None, chat: bool = False) -> list[str]:
@@ -87,18 +111,20 @@ def run(model, spec, prompts, args, record: bool = False) -> dict:
                             ignore_eos=args.ignore_eos)
     with engine(model, spec, dtype=args.dtype, max_model_len=args.max_model_len,
                 max_num_seqs=256) as llm:
+        if args.warmup_tokens > 0:
+            warmup = SamplingParams(temperature=0.0, max_tokens=args.warmup_tokens,
+                                    ignore_eos=True)
+            generate_all(llm, [WARMUP_PROMPT] * len(prompts), warmup, args.chat)
+            llm.reset_prefix_cache()
         if record:
             llm.collective_rpc(start_tree_recording)
+        before = counters(llm)
         start = time.perf_counter()
-        if args.chat:
-            conversations = [[{"role": "user", "content": p}] for p in prompts]
-            outputs = llm.chat(conversations, params, use_tqdm=False)
-        else:
-            outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = generate_all(llm, prompts, params, args.chat)
         elapsed = time.perf_counter() - start
         records = llm.collective_rpc(take_tree_records)[0] if record else []
         tokenizer = llm.get_tokenizer()
-        metrics = counters(llm)
+        metrics = counter_delta(counters(llm), before)
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     result = {"tokens": tokens, "seconds": elapsed, "metrics": metrics,
               "tokens_per_s": sum(len(t) for t in tokens) / elapsed,
@@ -109,6 +135,14 @@ def run(model, spec, prompts, args, record: bool = False) -> dict:
             label_output(by_request.get(o.request_id, []), len(o.prompt_token_ids), t).sources
             for o, t in zip(outputs, tokens)]
     return result
+
+
+def generate_all(llm, prompts: list[str], params, chat: bool) -> list:
+    """One batch of ``prompts``, as user messages with ``chat``."""
+    if chat:
+        conversations = [[{"role": "user", "content": p}] for p in prompts]
+        return llm.chat(conversations, params, use_tqdm=False)
+    return llm.generate(prompts, params, use_tqdm=False)
 
 
 def summary(result: dict) -> dict:
@@ -135,6 +169,9 @@ def summary(result: dict) -> dict:
         lookups = m.get("graft_retrieval_lookups") or 0
         if lookups:
             out["matrix_hit_rate"] = round(m.get("graft_retrieval_hits", 0) / lookups, 3)
+    modes = {mode: m.get(f"graft_guard_{mode}_steps") or 0 for mode in ("tree", "chain", "plain")}
+    if any(modes.values()):  # budget "auto": the steps the throughput guard ran in each mode
+        out["steps_by_mode"] = modes
     return out
 
 
@@ -148,7 +185,7 @@ def build_report(prompts, graft: dict, plain: dict | None, args) -> dict:
     """Statistics (the keys scripts already read) plus, per prompt, the tokens, their
     text pieces and, when recorded, their sources."""
     report = {"prompts": len(prompts), "max_tokens": args.max_tokens,
-              "graft": summary(graft)}
+              "warmup_tokens": args.warmup_tokens, "graft": summary(graft)}
     if plain is not None:
         report["plain"] = summary(plain)
         report["speedup"] = round(graft["tokens_per_s"] / plain["tokens_per_s"], 3)

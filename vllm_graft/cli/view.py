@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 from rich import box
-from rich.console import Console
+from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
@@ -79,7 +79,7 @@ def _fmt(value, pattern: str = "{:.2f}", missing: str = "-") -> str:
     return missing if value is None else pattern.format(value)
 
 
-def comparison_table(report: dict) -> Table:
+def comparison_table(report: dict) -> Table | Group:
     """Graft next to plain decoding: the numbers a user compares. MAT = mean tokens
     emitted per target forward (1 for plain decoding by definition)."""
     graft, plain = report["graft"], report.get("plain")
@@ -97,12 +97,20 @@ def comparison_table(report: dict) -> Table:
         ("draft forwards / step", _fmt(graft.get("draft_forwards_per_tree")), "0"),
         ("matrix hit rate", _fmt(hit and hit * 100, "{:.0f} %"), "-"),
     ]
+    modes = graft.get("steps_by_mode")
+    if modes:
+        rows.append(("steps: tree / chain / plain",
+                     " / ".join(str(modes[m]) for m in ("tree", "chain", "plain")), "-"))
     if "greedy_identical" in report:
         rows.append(("greedy output identical",
                      "yes" if report["greedy_identical"] else "NO", "reference"))
     for name, graft_value, plain_value in rows:
         table.add_row(name, graft_value, *([plain_value] if plain is not None else []))
-    return table
+    warmup = report.get("warmup_tokens")
+    if not warmup:
+        return table
+    return Group(table, Text(f"timed after each engine's untimed warm-up ({warmup} tokens "
+                             "a prompt)", style="dim"))
 
 
 @contextlib.contextmanager
