@@ -899,6 +899,38 @@ def run_scouted(guard, scout, chain_rate: float, predicted_rate: float, steps: i
     return modes, tokens / seconds
 
 
+def test_a_chain_step_is_predicted_as_the_guard_will_credit_it():
+    """Four of 32 requests copy (3 tokens each predicted), the others have no chain: the
+    requests' sum predicts 40 tokens, 1.25 plain steps' worth, but the guard credits the
+    median request's one token times the batch, 32, so the step cannot gain, and a
+    scout judging by that credit does not fire. Where 20 of the 32 copy, it does."""
+    from vllm_graft.core.budget import ChainScout, Choice, ThroughputGuard
+    from vllm_graft.core.config import StepMode
+
+    guard = ThroughputGuard(modes=(StepMode.CHAIN, StepMode.PLAIN))
+    plain_rate = 32 / 0.1  # tokens per second: a plain step of 32 requests takes 100 ms
+
+    def copying(requests: int) -> Choice:
+        return Choice(keep=None, nodes_per_request=torch.full((requests,), 2),
+                      expected_tokens=3.0 * requests, step_ms=110.0,
+                      request_tokens=[3.0] * requests)
+
+    few = copying(4)
+    assert few.step_tokens(32) == pytest.approx(40.0)
+    assert sorted(few.tokens_by_request(32)) == [1.0] * 28 + [3.0] * 4
+    assert guard.credited_tokens(few.tokens_by_request(32)) == pytest.approx(32.0)
+    assert ChainScout().promising(few.step_tokens(32), few.step_ms, plain_rate)  # the sum
+    assert not ChainScout().promising(guard.credited_tokens(few.tokens_by_request(32)),
+                                      few.step_ms, plain_rate)
+    many = copying(20)
+    assert ChainScout().promising(guard.credited_tokens(many.tokens_by_request(32)),
+                                  many.step_ms, plain_rate)
+    tree_choice = Choice(keep=None, nodes_per_request=torch.tensor([1]), expected_tokens=1.5,
+                         step_ms=10.0)
+    with pytest.raises(ValueError, match="no tokens per request"):
+        tree_choice.tokens_by_request(1)
+
+
 @pytest.mark.parametrize("scouting", [True, False])
 def test_the_chain_scout_finds_text_that_copies_its_context_within_a_short_batch(scouting):
     """Batch 32, as the benchmark runs it: a warm-up on chat (chains at 0.84 of plain's

@@ -272,6 +272,10 @@ def test_host_chains_walk_score_and_cut_as_the_tensor_path_does():
         assert got_choice.nodes_per_request.tolist() == want_choice.nodes_per_request.tolist()
         assert (got_choice.expected_tokens, got_choice.step_ms) == \
             (want_choice.expected_tokens, want_choice.step_ms), case
+        # the same prediction split by request (for the guard's median credit)
+        assert len(got_choice.request_tokens) == batch
+        assert sum(got_choice.request_tokens) == pytest.approx(got_choice.expected_tokens)
+        assert all(tokens >= 1.0 for tokens in got_choice.request_tokens)
         tree = got_cut.to_tree()
         rows = min(tree.tokens.shape[1], want_cut.tokens.shape[1])
         for name in ("tokens", "parents", "depths", "valid", "source"):

@@ -640,11 +640,22 @@ class Choice:
     nodes_per_request: torch.Tensor  # [B], on the host
     expected_tokens: float  # emitted tokens per step predicted for the choice
     step_ms: float  # predicted step time
+    #: each chosen request's predicted tokens (its root and its nodes' path
+    #: probabilities), in ``nodes_per_request``'s order; kept by host chains' choices
+    request_tokens: list[float] | None = None
 
     def step_tokens(self, batch: int) -> float:
         """Tokens the whole step of ``batch`` requests is predicted to emit: the chosen
         requests' expected tokens and one for each other request (decoded plainly)."""
         return self.expected_tokens + batch - self.nodes_per_request.numel()
+
+    def tokens_by_request(self, batch: int) -> list[float]:
+        """:meth:`step_tokens` split over the step's ``batch`` requests: the chosen
+        requests' own and one for each other. What the throughput guard will credit
+        the step with is its :meth:`ThroughputGuard.credited_tokens` of these."""
+        if self.request_tokens is None:
+            raise ValueError("this choice kept no tokens per request (a tree's)")
+        return self.request_tokens + [1.0] * (batch - len(self.request_tokens))
 
 
 def choose_nodes(path_prob: torch.Tensor, valid: torch.Tensor, cost: CostModel,
@@ -1324,11 +1335,13 @@ class TreeSizer:
         batch = len(chains.tokens)
         best, expected, step_ms = _best_count([prob for prob, _ in candidates], batch,
                                               self.cost, mode)
-        nodes = [0] * batch
-        for _, request in candidates[:best]:
+        nodes, tokens = [0] * batch, [1.0] * batch
+        for prob, request in candidates[:best]:
             nodes[request] += 1
+            tokens[request] += prob
         return chains.cut(nodes), Choice(keep=None, nodes_per_request=torch.tensor(nodes),
-                                         expected_tokens=expected, step_ms=step_ms)
+                                         expected_tokens=expected, step_ms=step_ms,
+                                         request_tokens=tokens)
 
     def trim(self, tree: HybridTree, score: torch.Tensor | None = None,
              mode: StepMode = StepMode.TREE) -> tuple[HybridTree, Choice]:

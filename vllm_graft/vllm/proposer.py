@@ -560,11 +560,23 @@ class GraftTreeDrafting:
         if not drafting:
             return False
         chains, choice = self._build_chains(runner, settled, drafting)
-        if not self.scout.promising(choice.step_tokens(len(settled)), choice.step_ms,
-                                    plain_rate):
+        if not self.scout.promising(self.predicted_credit(choice, len(settled)),
+                                    choice.step_ms, plain_rate):
             return False
         self.scouted = (settled, [settled[i].batch_row for i in drafting], chains, choice)
         return True
+
+    def predicted_credit(self, choice: Choice, batch: int) -> float:
+        """The tokens the throughput guard will credit a chain step of ``batch`` requests
+        with, as ``choice`` predicts them: the median request's times the batch
+        (:meth:`ThroughputGuard.credited_tokens`), not the requests' sum. Predicting
+        the sum, the scout fired on a batch where a few requests copied and the median
+        one could gain nothing: one chain step a run on gsm8k at batch 32, at 1.5 plain
+        steps' time, each emitting one token for most requests (a 2-core CPU). A choice
+        that kept no tokens per request (a tree's) is predicted by its sum."""
+        if choice.request_tokens is None:
+            return choice.step_tokens(batch)
+        return self.guard.credited_tokens(choice.tokens_by_request(batch))
 
     #: with budget "auto", a request whose tree was cut to nothing skips drafting (the
     #: drafter's cost with it) and tries again after this many plain steps

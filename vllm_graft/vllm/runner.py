@@ -698,7 +698,8 @@ def _observe_step(runner, scheduler_output, settled: list[SettledRows] | None,
         if proposer.scout is not None and mode is StepMode.CHAIN and choice is not None:
             # the scout's correction learns how the sizer's sums fare as the guard counts
             # them (a batch's chain step charged, a stall capped)
-            proposer.scout.observe(choice.step_tokens(batch), choice.step_ms, credited,
+            proposer.scout.observe(proposer.predicted_credit(choice, batch), choice.step_ms,
+                                   credited,
                                    guard.counted_seconds(mode, batch, seconds))
             if proposer.scout_fired:
                 proposer.scout.fired_step(gained=credited > batch)
