@@ -261,7 +261,8 @@ def test_budget_auto_reads_the_device_clock_a_fixed_few_times_per_step(tiny_mode
 
 def keep_plain_fastest(worker, trust_the_scout: bool) -> None:
     """The guard measures copy chains far slower than plain decoding at every batch size,
-    with weight that outlasts the test (so it never picks chains itself), and the chain
+    with weight that outlasts the test, and probes them never (what a probe may lose is
+    held to a vanishing share of the steps), so it never picks chains itself; the chain
     scout looks at every plain step, its predictions corrected tenfold upwards
     (``trust_the_scout``: every chain step the test sees is the scout's, and one that
     gains nothing does not space its looks out) or it never fires."""
@@ -269,7 +270,7 @@ def keep_plain_fastest(worker, trust_the_scout: bool) -> None:
     from vllm_graft.core.config import StepMode
 
     drafter = worker.model_runner.drafter
-    guard = ThroughputGuard(modes=(StepMode.CHAIN, StepMode.PLAIN))
+    guard = ThroughputGuard(modes=(StepMode.CHAIN, StepMode.PLAIN), probe_share=1e-12)
     for bucket in (1, 2, 4, 8):
         guard.stats[(bucket, StepMode.CHAIN)] = _ModeStats(1e6, 1e6, 1e6, 1e6)
         guard.measured[(bucket, StepMode.CHAIN)] = 1
