@@ -1227,7 +1227,9 @@ class ChainScout:
     def promising(self, expected_tokens: float, step_ms: float,
                   plain_rate: float | None) -> bool:
         """Whether a chain step predicted to emit ``expected_tokens`` in ``step_ms`` beats
-        ``plain_rate`` (tokens per second, measured) by the margin once corrected."""
+        ``plain_rate`` (tokens per second, measured) by the margin once corrected. The
+        prediction is counted as the guard will credit the step (the runner passes the
+        guard's :meth:`ThroughputGuard.credited_tokens` of each request's prediction)."""
         if plain_rate is None or step_ms <= 0:
             self.promised = False
         else:
@@ -1252,8 +1254,9 @@ class ChainScout:
 
     def observe(self, expected_tokens: float, step_ms: float, tokens: float,
                 seconds: float) -> None:
-        """A chain step the sizer predicted (``expected_tokens`` in ``step_ms``) emitted
-        ``tokens`` in ``seconds``: the tokens the guard credits it with
+        """A chain step the sizer predicted (``expected_tokens``, counted as in
+        :meth:`promising`, in ``step_ms``) emitted ``tokens`` in ``seconds``: the tokens
+        the guard credits it with
         (:meth:`ThroughputGuard.credited_tokens`), so that a chain step the scout fires
         promises what the guard will measure."""
         if step_ms <= 0 or seconds <= 0 or expected_tokens <= 0:
