@@ -70,5 +70,5 @@ def test_generate_json_carries_sources(tiny_models, tmp_path):
         assert set(item["sources"]) <= {*ACCEPTED, "target"}
     by_source = report["graft"]["tokens_by_source"]
     assert sum(by_source.values()) == 48
-    assert report["warmup_tokens"] == 16  # the default: untimed, so not among the counts
+    assert report["warmup_tokens"] == 16  # the default warm-up ran, and is reported
     assert (tmp_path / "engine.log").read_text()  # engine logs went to the file

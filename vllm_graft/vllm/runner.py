@@ -696,11 +696,11 @@ def _observe_step(runner, scheduler_output, settled: list[SettledRows] | None,
             [len(s.next_tokens) for s in settled])  # the median request's, times the batch
         choice = proposer.last_choice  # the measured step's (proposals reset it later)
         if proposer.scout is not None and mode is StepMode.CHAIN and choice is not None:
-            # the scout's correction learns how the sizer's sums fare as the guard counts
-            # them (a batch's chain step charged, a stall capped)
+            # the scout's correction learns how the sizer's predictions, credited as the
+            # guard credits a step, fare as the guard counts them (a batch's chain step
+            # charged, a stall capped)
             proposer.scout.observe(proposer.predicted_credit(choice, batch), choice.step_ms,
-                                   credited,
-                                   guard.counted_seconds(mode, batch, seconds))
+                                   credited, guard.counted_seconds(mode, batch, seconds))
             if proposer.scout_fired:
                 proposer.scout.fired_step(gained=credited > batch)
         guard.observe(mode, batch, credited, seconds)
