@@ -145,7 +145,19 @@ def timed_run(llm, job: dict, dataset: str) -> dict:
             "steal_ticks": stolen, "tokens": run["tokens"],
             "guard_steps": guard_steps(run["delta"]),
             "scout": {"looks": run["delta"].get("graft_chain_scout_looks", 0),
-                      "chain_steps": run["delta"].get("graft_chain_scout_steps", 0)}}
+                      "chain_steps": run["delta"].get("graft_chain_scout_steps", 0)},
+            "graft_ms": graft_ms(run["delta"])}
+
+
+#: Graft's own time counters, by the name a run reports them under
+GRAFT_TIMES = ("bookkeeping", "draft_forward", "tree_attention", "heap_trim")
+
+
+def graft_ms(delta: dict) -> dict[str, float]:
+    """Milliseconds of Graft's own work in a run (bookkeeping outside the forwards,
+    draft-head forwards, tree rows' attention, heap trims), from its counter deltas:
+    where the auto run's extra time went beside its steps."""
+    return {name: round(delta.get(f"graft_{name}_us", 0) / 1e3, 2) for name in GRAFT_TIMES}
 
 
 def main() -> int:
@@ -202,7 +214,9 @@ def main() -> int:
                                       for key, run in pair.items()})
                 print(f"round {r} {dataset}: auto {pair['auto']['seconds']:.3f} s "
                       f"{pair['auto']['guard_steps']} (scout {pair['auto']['scout']}), "
-                      f"plain {pair['plain']['seconds']:.3f} s", flush=True)
+                      f"plain {pair['plain']['seconds']:.3f} s; Graft ms auto "
+                      f"{pair['auto']['graft_ms']}, plain {pair['plain']['graft_ms']}",
+                      flush=True)
     summary = {"job": args.job.name, "guard": settings, "rounds": args.rounds,
                "warmup_seconds": round(warmup_seconds, 2),
                "wall_seconds": round(time.time() - started, 1), "datasets": {}}

@@ -72,3 +72,22 @@ def test_generate_json_carries_sources(tiny_models, tmp_path):
     assert sum(by_source.values()) == 48
     assert report["warmup_tokens"] == 16  # the default warm-up ran, and is reported
     assert (tmp_path / "engine.log").read_text()  # engine logs went to the file
+
+
+def test_generate_counts_the_timed_run_alone(tiny_models):
+    """The statistics ``generate`` reports leave out its warm-up: the engine's counters
+    over the timed run must agree with the trees recorded in it (recording starts after
+    the warm-up). The warm-up of 24 tokens a prompt verifies trees too, so counters read
+    without the delta around the timed run would count more of them."""
+    from vllm_graft.cli import generate
+
+    spec = graft_spec(tiny_models.head, budget=16)
+    args = generate.parse_args([str(tiny_models.target), "--speculative-config",
+                                json.dumps(spec), "--dtype", "float32", "--max-tokens",
+                                "24", "--max-model-len", "512", "--warmup-tokens", "24"])
+    result = generate.run(args.model, spec, PROMPTS[:2], args, record=True)
+    records = result["records"]
+    assert len(records) >= 2 * 16  # a tree every step (budget 16), most steps
+    assert result["metrics"]["spec_decode_num_drafts"] == len(records)
+    assert result["metrics"]["spec_decode_num_accepted_tokens"] \
+        == sum(len(record["accepted_rows"]) for record in records)

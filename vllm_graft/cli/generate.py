@@ -102,7 +102,9 @@ def load_prompts(path: str | None, chat: bool = False) -> list[str]:
 
 
 def run(model, spec, prompts, args, record: bool = False) -> dict:
-    """Generate once; with ``record``, also the verified trees (for token sources)."""
+    """Generate once, after the untimed warm-up; with ``record``, also the timed run's
+    verified trees (``records``) and each output token's source. ``metrics`` are the
+    engine's counters over the timed run alone."""
     from vllm import SamplingParams
 
     from vllm_graft.vllm.rpc import start_tree_recording, take_tree_records
@@ -130,6 +132,7 @@ def run(model, spec, prompts, args, record: bool = False) -> dict:
               "tokens_per_s": sum(len(t) for t in tokens) / elapsed,
               "pieces": [text_pieces(tokenizer, t) for t in tokens]}
     if record:
+        result["records"] = records
         by_request = records_by_request(records)
         result["sources"] = [
             label_output(by_request.get(o.request_id, []), len(o.prompt_token_ids), t).sources
