@@ -583,6 +583,84 @@ def test_a_mode_is_not_within_reach_while_its_next_probe_is_far_away():
     assert bound_reached < first - 300  # where the bound alone put trees in reach
 
 
+def test_a_charge_slows_a_modes_record_without_running_it():
+    """Time spent outside a mode's steps for it lowers its rate and prices its next
+    probe higher; its steps, tokens and the step it last ran stay, and the charge fades
+    with the record as if it had been a step's time."""
+    from vllm_graft.core.budget import ThroughputGuard
+    from vllm_graft.core.config import StepMode
+
+    tree, plain = StepMode.TREE, StepMode.PLAIN
+    guard = ThroughputGuard(modes=(tree, plain))
+    guard.charge(tree, 32, 1.0)  # nothing measured there yet: nothing to charge
+    assert guard.rate_of(32, tree) is None
+    guard.observe(tree, 32, tokens=40, seconds=0.5)
+    guard.observe(plain, 32, tokens=32, seconds=0.125)
+    for _ in range(50):
+        guard.choose(32, unavailable=(tree,))
+        guard.observe(plain, 32, tokens=32, seconds=0.125)
+    before = guard._stats(32, tree)
+    loss = guard._probe_loss(32, tree, plain)
+    guard.charge(tree, 32, 0.25)
+    guard.charge(tree, 32, 0.0)
+    guard.charge(tree, 32, -1.0)
+    after = guard._stats(32, tree)
+    assert after.seconds == pytest.approx(before.seconds + 0.25)
+    assert (after.weight, after.tokens, after.tokens_sq) == \
+        (before.weight, before.tokens, before.tokens_sq)
+    assert guard.stats[(32, tree)].step == 0  # when trees last ran: the probe clock
+    assert guard.rate_of(32, tree) == pytest.approx(before.tokens / (before.seconds + 0.25))
+    assert guard._probe_loss(32, tree, plain) > 1.4 * loss
+    guard.steps += 30
+    keep = (1 - 1 / guard.window) ** 30
+    assert guard._stats(32, tree).seconds == pytest.approx((before.seconds + 0.25) * keep)
+
+
+def test_what_following_a_batch_for_trees_costs_is_charged_to_trees():
+    """Batch 32 on this repository's CPU (SmolLM2-135M): a tree step takes four plain
+    steps for 1.3 plain steps' tokens, and each batch the drafter follows (for a tree
+    probe due within ``window`` steps) costs a quarter of a second of catch-up outside
+    tree steps: reading its prompts, keeping its rows. Counted in the steps where it
+    fell, that time was no cost of trees: the guard priced a probe at its own step and
+    probed every 350 steps or so, following a batch in four, and trees with their
+    preparation took 0.9 % of the time. Charged to trees, it takes at most the probe
+    rule's 0.5 %."""
+    from vllm_graft.core.budget import ThroughputGuard
+    from vllm_graft.core.config import StepMode
+
+    tree, plain = StepMode.TREE, StepMode.PLAIN
+    plain_s, tree_s, tree_tokens, preparation = 0.134, 0.53, 42, 0.25
+
+    def lost_share(charged: bool) -> tuple[float, int]:
+        guard = ThroughputGuard(modes=(tree, plain))
+        lost = elapsed = 0.0
+        followed = 0
+        for _ in range(100):  # batches of 64 steps, all requests new
+            follows = guard.within_reach(32, tree)
+            pending = 0.0
+            if follows:
+                followed += 1
+                lost, elapsed = lost + preparation, elapsed + preparation
+                if charged:
+                    guard.charge(tree, 32, preparation)
+                else:
+                    pending = preparation  # the first step after the prefill paid it
+            for _ in range(64):
+                mode = guard.choose(32, () if follows else (tree,))
+                seconds, tokens = (tree_s, tree_tokens) if mode is tree else (plain_s, 32)
+                if mode is tree:
+                    lost += tree_s - tokens / 32 * plain_s
+                elapsed += seconds
+                guard.observe(mode, 32, tokens, seconds + pending)
+                pending = 0.0
+        return lost / elapsed, followed
+
+    uncharged, followed_uncharged = lost_share(False)
+    charged, followed_charged = lost_share(True)
+    assert uncharged > 0.008 and followed_uncharged >= 10
+    assert charged <= 0.005 and followed_charged < followed_uncharged / 3
+
+
 def test_an_unavailable_mode_is_neither_probed_nor_chosen():
     from vllm_graft.core.budget import ThroughputGuard
     from vllm_graft.core.config import StepMode

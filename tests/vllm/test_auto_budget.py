@@ -98,6 +98,21 @@ def keep_chain_records(worker) -> None:
     worker.model_runner.drafter.guard.scout_new_batches = False
 
 
+def record_charges(worker) -> None:
+    """Keep the runner's charges to the guard (mode, batch, seconds), in order."""
+    guard = worker.model_runner.drafter.guard
+    guard.charges, original = [], guard.charge
+
+    def charge(mode, batch: int, seconds: float) -> None:
+        guard.charges.append((mode.value, batch, seconds))
+        original(mode, batch, seconds)
+    guard.charge = charge
+
+
+def taken_charges(worker) -> list:
+    return worker.model_runner.drafter.guard.charges
+
+
 def test_throughput_guard_decodes_in_the_measured_fastest_mode(tiny_models, plain_outputs,
                                                                tmp_path, monkeypatch):
     """Long greedy generations at one batch size: the guard measures every mode, then
@@ -110,11 +125,13 @@ def test_throughput_guard_decodes_in_the_measured_fastest_mode(tiny_models, plai
     spec = graft_spec(tiny_models.head, budget="auto")
     with running_llm(tiny_models.target, spec, max_num_seqs=4) as llm:
         llm.collective_rpc(keep_chain_records)
+        llm.collective_rpc(record_charges)
         assert_greedy_identical(llm, PROMPTS[:4], plain_outputs[:4], MAX_TOKENS)
         llm.generate(PROMPTS[4:8], SamplingParams(temperature=0.0, max_tokens=160,
                                                   ignore_eos=True), use_tqdm=False)
         state = llm.collective_rpc(guard_state)[0]
         lines = llm.collective_rpc(step_cost_lines)[0]
+        charges = llm.collective_rpc(taken_charges)[0]
         metrics = spec_metrics(llm)
     assert state["preferred"].get(4) is not None, state  # every mode measured at batch 4
     # the sizer learned from the same whole steps what each mode costs besides the
@@ -124,6 +141,14 @@ def test_throughput_guard_decodes_in_the_measured_fastest_mode(tiny_models, plai
     steps = {mode: metrics[f"graft_guard_{mode}_steps"] for mode in ("tree", "chain", "plain")}
     fastest = steps.pop(state["preferred"][4])
     assert fastest > 2 * max(steps.values()), (state, fastest, steps)
+    # the drafter follows every request: its catch-up in the steps of other modes
+    # (keeping their rows, reading the second batch's prompts) is charged to trees, all
+    # of it but the last proposal's (no step follows it)
+    preparation = metrics["graft_tree_preparation_us"] / 1e6
+    assert preparation > 0 and {mode for mode, _, _ in charges} == {"tree"}, charges
+    assert {batch for _, batch, _ in charges} <= {1, 2, 3, 4}
+    assert 0.5 * preparation <= sum(s for _, _, s in charges) \
+        <= preparation + 1e-6 * len(charges)
 
 
 def context_trials_by_score(worker) -> list[float]:

@@ -60,6 +60,9 @@ class AlternatingGuard:
     def observe(self, *args) -> None:
         pass
 
+    def charge(self, mode, batch: int, seconds: float) -> None:
+        pass
+
 
 def install_alternating_guard(worker) -> None:
     worker.model_runner.drafter.guard = AlternatingGuard()

@@ -71,6 +71,10 @@ GRAFT_COUNTERS = {
     "draft_forward_us": "Microseconds of draft-head forwards (catch-up and tree steps).",
     "tree_attention_us": "Microseconds recomputing tree rows' attention in the target "
                          "(CPU only: on a GPU it is part of the forward).",
+    "tree_preparation_us": "Microseconds of the drafter's catch-up outside tree steps "
+                           "(budget \"auto\": reading new prompts, keeping the rows of "
+                           "the requests it follows), charged to trees by the "
+                           "throughput guard.",
     "heap_trims": "Times the worker handed the memory its C allocator kept after frees "
                   "back to the system (graft.heap_trim_s).",
     "heap_trim_us": "Microseconds those hand-backs took.",

@@ -288,6 +288,11 @@ class GraftTreeDrafting:
         self.plain_steps: dict[str, int] = {}
         self.max_model_len = vllm_config.model_config.max_model_len
         self.forward_timer = SpanTimer(device)  # head forwards (for the overhead metrics)
+        # the drafter's catch-up (its forwards included); outside tree steps it serves
+        # only trees to come, and budget "auto" charges it to them: the seconds of the
+        # last proposal's, when it was no tree step (read by the next step's timing)
+        self.catch_up_timer = SpanTimer(device)
+        self.tree_preparation = 0.0
         # drafter inputs deferred while the throughput guard decodes plainly; the tree
         # step that feeds them carries their cost in the guard's measurement (the
         # switch from a cheaper mode to trees costs that much)
@@ -374,8 +379,9 @@ class GraftTreeDrafting:
         catchup = None
         if uses_drafter:  # only a request about to draft a tree needs its rows fed now
             feeds = self.mode is StepMode.TREE
-            catchup = self._catch_up(runner, settled, aux_hidden_states,
-                                     [feeds and s.drafts for s in settled])
+            with self.catch_up_timer.span():
+                catchup = self._catch_up(runner, settled, aux_hidden_states,
+                                         [feeds and s.drafts for s in settled])
         self.ran_mode = self.mode if drafting else StepMode.PLAIN
         if not drafting:
             return drafts

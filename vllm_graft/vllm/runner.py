@@ -580,6 +580,7 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
     runner._graft_step = None
     start = device_clock(runner.device)
     proposer.forward_timer.take_seconds()  # spans of earlier steps (e.g. dummy runs)
+    proposer.catch_up_timer.take_seconds()
     settled: list[SettledRows] | None = None
 
     def read_settled() -> list[SettledRows]:
@@ -633,6 +634,10 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
     forward_seconds = proposer.forward_timer.take_seconds()
     stats.add_seconds("draft_forward", forward_seconds)
     stats.add_seconds("bookkeeping", end - start - forward_seconds)
+    catch_up = proposer.catch_up_timer.take_seconds()
+    proposer.tree_preparation = 0.0 if proposer.ran_mode is StepMode.TREE else catch_up
+    if proposer.guard is not None and proposer.tree_preparation:
+        stats.add_seconds("tree_preparation", proposer.tree_preparation)
     if build is not None:
         _count_build(stats, build, proposer.settings.config.checkpoints)
     if proposer.last_chains is not None:
@@ -673,21 +678,27 @@ def _observe_step(runner, scheduler_output, settled: list[SettledRows] | None,
     (their time is not the decoding cost of any mode). A tree step after chain or plain
     steps includes feeding the drafter the positions those steps deferred: switching to
     trees costs that, and a guard that did not see it would switch to trees more often
-    than they pay."""
+    than they pay. The drafter's catch-up in the last proposal, when that was no tree
+    step's, served only trees to come: it is charged to trees
+    (:meth:`ThroughputGuard.charge`), not to the step's mode, whether the step is
+    measured or not."""
     proposer: GraftProposer = runner.drafter
     forward_ms = None if step is None else step.take_forward_ms()
     if forward_ms is not None:  # the profile follows what a forward really costs
         proposer.sizer.cost.observe(1, step.num_tokens, forward_ms)
+    preparation, proposer.tree_preparation = proposer.tree_preparation, 0.0
     if proposer.guard is None and proposer.sizer is None:
         return
     now = time.perf_counter()
     last, runner._graft_step_clock = getattr(runner, "_graft_step_clock", None), now
     spec = scheduler_output.scheduled_spec_decode_tokens
     scheduled = scheduler_output.num_scheduled_tokens
+    if proposer.guard is not None and preparation and scheduled:
+        proposer.guard.charge(StepMode.TREE, len(scheduled), preparation)
     prefill = any(count - len(spec.get(req_id, ())) > 1 for req_id, count in scheduled.items())
     if last is None or prefill or not scheduled:
         return
-    mode, seconds = proposer.ran_mode, now - last
+    mode, seconds = proposer.ran_mode, max(now - last - preparation, 0.0)
     # without settled rows (no tree verified) every scheduled request emitted one token
     batch = len(scheduled) if settled is None else len(settled)
     if proposer.guard is not None:
