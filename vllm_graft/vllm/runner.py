@@ -635,7 +635,9 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
     stats.add_seconds("draft_forward", forward_seconds)
     stats.add_seconds("bookkeeping", end - start - forward_seconds)
     catch_up = proposer.catch_up_timer.take_seconds()
-    proposer.tree_preparation = 0.0 if proposer.ran_mode is StepMode.TREE else catch_up
+    # a catch-up that followed no request did no work for trees (its span is the call)
+    proposer.tree_preparation = catch_up if (
+        following and proposer.ran_mode is not StepMode.TREE) else 0.0
     if proposer.guard is not None and proposer.tree_preparation:
         stats.add_seconds("tree_preparation", proposer.tree_preparation)
     if build is not None:
