@@ -149,15 +149,15 @@ def timed_run(llm, job: dict, dataset: str) -> dict:
             "graft_ms": graft_ms(run["delta"])}
 
 
-#: Graft's own time counters, by the name a run reports them under
-GRAFT_TIMES = ("bookkeeping", "draft_forward", "tree_attention", "heap_trim")
-
-
 def graft_ms(delta: dict) -> dict[str, float]:
-    """Milliseconds of Graft's own work in a run (bookkeeping outside the forwards,
-    draft-head forwards, tree rows' attention, heap trims), from its counter deltas:
-    where the auto run's extra time went beside its steps."""
-    return {name: round(delta.get(f"graft_{name}_us", 0) / 1e3, 2) for name in GRAFT_TIMES}
+    """Milliseconds of Graft's own work in a run, one entry per time counter the engine
+    has (bookkeeping outside the forwards, draft-head forwards, tree attention, tree
+    preparation, heap trims), from its counter deltas: where the auto run's extra time
+    went beside its steps."""
+    from vllm_graft.vllm.metrics import GRAFT_COUNTERS
+
+    return {name.removesuffix("_us"): round(delta.get(f"graft_{name}", 0) / 1e3, 2)
+            for name in GRAFT_COUNTERS if name.endswith("_us")}
 
 
 def main() -> int:

@@ -863,9 +863,9 @@ class ThroughputGuard:
     reading a new batch's prompts, keeping the rows of the requests it follows while
     another mode decodes them) is charged to trees (:meth:`charge`): their record's
     seconds grow, its steps and tokens do not, so their rate falls and a probe of them
-    is priced higher. Counted in the steps where it fell, that time slowed whichever mode ran
-    them (mostly plain decoding), and the probe rule priced a tree probe at its step
-    alone. Measured on a 2-core CPU at batch 32 (SmolLM2-135M, 64 tokens a request, 24
+    is priced higher. Counted in the steps where it fell, that time slowed whichever
+    mode ran them (mostly plain decoding), and the probe rule priced a tree probe at its
+    step alone. Measured on a 2-core CPU at batch 32 (SmolLM2-135M, 64 tokens a request, 24
     runs of 32 requests in one engine): the drafter followed six batches, its forwards
     taking 0.1-0.27 s of each, for three tree probes (four tree steps); those six runs
     lost 2.1 s of the engine's 234 (0.9 %) against the same engine decoding plainly,
