@@ -1,10 +1,16 @@
 """The start-up cost profile: a burst of other work during the measurement slows one
-turn of every token count, so the fastest timing of each count stays its own."""
+turn of every token count, so the fastest timing of each count stays its own; the
+counts reach a step of full trees; a cached profile that reaches less is measured
+again."""
 
 import time
 from types import SimpleNamespace
 
-from vllm_graft.vllm.cost_profile import PROFILE_TOKENS, measure
+import pytest
+
+from vllm_graft.core.budget import CostModel
+from vllm_graft.vllm.cost_profile import (PROFILE_TOKENS, _cached, measure, profile_path,
+                                          profiled_tokens)
 
 BASE_MS, PER_TOKEN_MS, BURST_MS = 2.0, 0.05, 25.0
 
@@ -35,10 +41,37 @@ def test_a_burst_after_the_first_turn_leaves_the_profile_unharmed():
     # clean warm-up and first turn, then other work for every later turn: timed one
     # count after another, every count past the second would be measured in the burst
     runner = BurstyRunner(limit, burst=range(warm_up + len(counts), 10**6))
-    model = measure(runner, repeats=5)
+    model = measure(runner, counts, repeats=5)
     tokens, ms = model.curves[1]
     assert tokens == [float(n) for n in counts]
     for n, measured in zip(counts, ms):
         expected = BASE_MS + PER_TOKEN_MS * n
         assert expected <= measured < expected + BURST_MS / 2, (n, measured)
     assert runner.calls == warm_up + 5 * len(counts)
+
+
+@pytest.mark.parametrize("limit, requests, budget, reach", [
+    (8192, 1, 60, 64),        # one tree of 61 rows
+    (8192, 32, 60, 2048),     # 32 of them: 1,952 rows
+    (1024, 32, 60, 1024),     # no further than a step can schedule
+    (8192, 256, 60, 8192),
+    (100, 1, 8, 16),
+])
+def test_the_profile_reaches_a_step_of_full_trees(limit, requests, budget, reach):
+    counts = profiled_tokens(limit, requests, budget)
+    assert counts[0] == 1 and counts[-1] == reach
+    assert counts == [n for n in PROFILE_TOKENS if n <= reach]
+
+
+def test_a_cached_profile_that_reaches_too_few_tokens_is_measured_again(tmp_path,
+                                                                       monkeypatch):
+    monkeypatch.setenv("VLLM_GRAFT_CACHE", str(tmp_path))
+    key = {"model": "toy", "device": "cpu", "dtype": "float32", "layout": "tp1"}
+    path = profile_path(key)
+    path.parent.mkdir(parents=True)
+    CostModel(curves={1: ([1.0, 256.0], [10.0, 20.0])}, key=key).save(path)
+    assert _cached(key, [1, 2, 256]) is not None
+    assert _cached(key, [1, 2, 256, 512]) is None
+    # a pinned profile is what its writer wants, whatever it reaches
+    CostModel(curves={1: ([1.0, 256.0], [10.0, 20.0])}, key=key, frozen=True).save(path)
+    assert _cached(key, [1, 2, 256, 512]) is not None

@@ -142,6 +142,85 @@ def test_cost_model_interpolates_extrapolates_and_tracks_measurements(tmp_path):
         CostModel(curves={1: ([2.0, 1.0], [1.0, 2.0])})
 
 
+def test_past_its_last_point_a_curve_grows_at_least_at_its_mean_slope():
+    """A last segment that noise flattened (pooled flat with its neighbour) would price
+    every larger step as the last point: the sizer, at a large batch, would then fill
+    every tree. Past the last point the curve grows at its mean slope at least, and at
+    its last slope where that is steeper (the point lookup reads the same)."""
+    flat_end = CostModel(curves={1: ([1.0, 128.0, 256.0], [10.0, 20.0, 19.0])})
+    assert flat_end.curves[1][1] == [10.0, 19.5, 19.5]  # pooled: flat past 128
+    mean_slope = 9.5 / 255.0
+    for tokens in (512.0, 2048.0):
+        expected = 19.5 + (tokens - 256.0) * mean_slope
+        assert float(flat_end.verify_ms(1, torch.tensor(tokens))) == pytest.approx(expected)
+        assert flat_end._curve_point_ms(1, tokens) == float(
+            flat_end._curve_ms(1, np.array([tokens]))[0])
+    steep_end = CostModel(curves={1: ([1.0, 128.0, 256.0], [10.0, 10.0, 30.0])})
+    assert float(steep_end.verify_ms(1, torch.tensor(512.0))) == pytest.approx(70.0)
+    # the sizer no longer takes the flat end for free nodes: at batch 64 it verifies
+    # part of each tree, where it took all 64 x 60 nodes (3,904 query tokens at 19.5 ms)
+    _, _, valid, prob = bushy_tree(64, 60)
+    chosen = int(choose_nodes(prob, valid, flat_end).nodes_per_request.sum())
+    assert 0 < chosen < 64 * 30, chosen
+
+
+@pytest.mark.parametrize("text, complaint", [
+    ('{"curves": null}', "no 'curves' object"),
+    ("[]", "no 'curves' object"),
+    ("[" * 100_000 + "]" * 100_000, "cost profile"),  # nested past the parser's depth
+    ('{"curves": {"1": {"tokens": [1, 2], "ms": [NaN, 2]}}}', "finite and > 0"),
+    ('{"curves": {"1": {"tokens": [1, 2], "ms": [0, 0]}}}', "finite and > 0"),
+    ('{"curves": {"1": {"tokens": [1, 2], "ms": [-3, 2]}}}', "finite and > 0"),
+    ('{"curves": {"1": {"tokens": [1, 2], "ms": [1, Infinity]}}}', "finite and > 0"),
+    ('{"curves": {"0": {"tokens": [1, 2], "ms": [1, 2]}}}', "batch sizes start at 1"),
+    ('{"curves": {"1": {"tokens": [1, 2], "ms": [1, 2]}}, "frozen": "false"}', "'frozen'"),
+    ('{"curves": {"1": {"tokens": [1, 2], "ms": [1, 2]}}, "per_node_ms": NaN}',
+     "per_node_ms"),
+    ('{"curves": {"1": {"tokens": [1, 2], "ms": [1, 2]}}, "key": ["m"]}', "'key'"),
+])
+def test_a_bad_cost_profile_file_is_refused_naming_it(tmp_path, text, complaint):
+    """Whatever a cached profile holds (written by another version, edited, cut short),
+    loading it raises ValueError naming the file, which start-up takes as "measure
+    again"; nothing loads that would price a step at nothing or never learn."""
+    path = tmp_path / "profile.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=complaint) as error:
+        CostModel.load(path)
+    assert str(path) in str(error.value)
+
+
+def test_a_saved_profile_replaces_the_file_whole(tmp_path):
+    """Engines starting together each write their profile: each write replaces the file
+    with a whole one (a renamed temporary), so a reader never sees half of one. Written
+    in place, a reader beside 300 writes found the file empty or cut short in about a
+    third of its reads."""
+    import threading
+
+    path = tmp_path / "profile.json"
+    path.write_text("{not json")
+    tokens = [float(n) for n in range(1, 400)]
+    cost = CostModel(curves={1: (tokens, tokens)}, key={"model": "m"})
+    cost.save(path)
+    written = threading.Event()
+
+    def write():
+        for _ in range(300):
+            cost.save(path)
+        written.set()
+    writer = threading.Thread(target=write)
+    writer.start()
+    reads, torn = 0, 0
+    while not written.is_set():
+        try:
+            assert CostModel.load(path).curves == cost.curves
+        except ValueError:
+            torn += 1
+        reads += 1
+    writer.join()
+    assert reads > 0 and torn == 0, (reads, torn)
+    assert [p.name for p in tmp_path.iterdir()] == ["profile.json"]
+
+
 def test_acceptance_model_learns_per_source_and_depth():
     model = AcceptanceModel(max_depth=4, score_buckets=2)
     generator = torch.Generator().manual_seed(0)
@@ -1280,6 +1359,26 @@ def test_throughput_guard_follows_a_change_and_measures_each_batch_bucket():
         ThroughputGuard(modes=(tree, tree))
     with pytest.raises(ValueError, match="probe_share"):
         ThroughputGuard(probe_share=0.0)
+
+
+@pytest.mark.parametrize("gap", [7_000, 75_000, 10_000_000])
+def test_a_batch_size_served_again_long_after_is_measured_afresh(gap):
+    """A batch size whose records faded while the engine served others (``gap`` guard
+    steps: 75,000 is where keep ** gap underflows to zero, about an hour of a busy
+    server) is measured again, every mode, and runs the faster one. Before,
+    a plain record at zero had no rate and never refreshed: trees ran every step."""
+    from vllm_graft.core.budget import ThroughputGuard
+    from vllm_graft.core.config import StepMode
+
+    tree, plain = StepMode.TREE, StepMode.PLAIN
+    guard = ThroughputGuard(modes=(tree, plain))
+    rates = {tree: 16.0, plain: 50.0}
+    run_guard(rates, steps=300, batch=1, guard=guard)
+    guard.steps += gap  # the guard's steps at other batch sizes
+    modes, _, _ = run_guard(rates, steps=2000, batch=1, guard=guard)
+    assert set(modes[:2]) == {tree, plain}
+    assert modes.count(tree) < 0.02 * len(modes), modes.count(tree)
+    assert guard.preferred(1) is plain
 
 
 def test_cost_curve_is_non_decreasing_and_learns_its_shape_where_steps_run():

@@ -26,6 +26,9 @@ def test_auto_budget_greedy_identical_and_profile_cached(tiny_models, plain_outp
     assert len(profiles) == 1, "the measured profile is cached"
     profile = json.loads(profiles[0].read_text())
     assert profile["key"]["model"] == str(tiny_models.target)
+    # priced up to a step of full trees: 8 requests (max_num_seqs) of 61 rows
+    assert profile["curves"]["1"]["tokens"][-1] == 512
+    assert not list((tmp_path / "cost-profiles").glob(".*.tmp"))  # written whole
     assert metrics["graft_trees_built"] > 0
     # the sizer verified fewer nodes than the cap of 60 per tree, and said how many
     assert 0 < metrics["graft_auto_chosen_nodes"] < 60 * metrics["graft_trees_built"]
@@ -50,10 +53,13 @@ def flat_profile(model, cache_dir, layout: str = "tp1") -> None:
     1024 query tokens, then linear; no online refresh), so the sizer keeps part of each
     tree and the test exercises trimmed trees: losslessness must hold whatever the
     sizer decides. Written where ``VLLM_GRAFT_CACHE`` (set to ``cache_dir``) points."""
-    from vllm_graft.core.budget import CostModel
-    from vllm_graft.vllm.cost_profile import profile_path
+    import torch
 
-    key = {"model": str(model), "device": "cpu", "dtype": "float32", "layout": layout}
+    from vllm_graft.core.budget import CostModel
+    from vllm_graft.vllm.cost_profile import device_name, profile_path
+
+    key = {"model": str(model), "device": device_name(torch.device("cpu")),
+           "dtype": "float32", "layout": layout}
     path = profile_path(key)
     path.parent.mkdir(parents=True)
     CostModel(curves={1: ([1.0, 1024.0, 16384.0], [10.0, 10.0, 150.0])}, key=key,
@@ -111,6 +117,73 @@ def record_charges(worker) -> None:
 
 def taken_charges(worker) -> list:
     return worker.model_runner.drafter.guard.charges
+
+
+def record_choices(worker) -> None:
+    """Keep the guard's choices of mode, in order."""
+    guard = worker.model_runner.drafter.guard
+    guard.choices, original = [], guard.choose
+
+    def choose(batch: int, unavailable=()):
+        mode = original(batch, unavailable)
+        guard.choices.append(mode.value)
+        return mode
+    guard.choose = choose
+
+
+def taken_choices(worker) -> list:
+    return worker.model_runner.drafter.guard.choices
+
+
+def decode_plainly_with_trees_in_reach(worker) -> None:
+    """A guard stand-in that decodes every step plainly while trees stay in reach, so
+    the drafter follows every request and keeps each decoding step's rows; and a record,
+    after every catch-up, of each kept chunk's bytes and the bytes its storage holds."""
+    from tests.vllm.test_draft_model_drafter import AlternatingGuard
+    from vllm_graft.core.config import StepMode
+
+    class PlainGuard(AlternatingGuard):
+        def choose(self, batch: int, unavailable=()):
+            return StepMode.PLAIN
+
+    proposer = worker.model_runner.drafter
+    proposer.guard, proposer.kept_bytes = PlainGuard(), []
+    original = proposer._catch_up
+
+    def catch_up(*args, **kwargs):
+        out = original(*args, **kwargs)
+        proposer.kept_bytes.extend((chunk.nbytes, chunk.untyped_storage().nbytes())
+                                   for rows in proposer.deferred.values()
+                                   for chunk in rows.chunks)
+        return out
+    proposer._catch_up = catch_up
+
+
+def kept_bytes(worker) -> list:
+    return worker.model_runner.drafter.kept_bytes
+
+
+def test_kept_drafter_rows_do_not_hold_the_prompts_fed_beside_them(tiny_models, tmp_path,
+                                                                   monkeypatch):
+    """A request decoding plainly keeps its rows for its next tree: one row a step,
+    for up to 64 steps. Kept as views of the step's copy of the target's rows, each
+    held the prompt chunk of another request fed in the same step (on a GPU, an
+    EAGLE-3 head's rows of an 8,192-token chunk are 192 MiB, for every step kept). Here
+    a short request decodes while a long prompt is read in chunks beside it: every kept
+    chunk's storage holds only rows kept that step (at most one per request)."""
+    from vllm import SamplingParams
+
+    monkeypatch.setenv("VLLM_GRAFT_CACHE", str(tmp_path))
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [PROMPTS[0], " ".join(PROMPTS) * 2]
+    with running_llm(tiny_models.target, graft_spec(tiny_models.head, budget="auto"),
+                     max_num_seqs=2, max_num_batched_tokens=128) as llm:
+        llm.collective_rpc(decode_plainly_with_trees_in_reach)
+        llm.generate(prompts, params, use_tqdm=False)
+        kept = llm.collective_rpc(kept_bytes)[0]
+    assert kept, "no row was kept"
+    row_bytes = min(own for own, _ in kept)
+    assert max(held for _, held in kept) <= 2 * row_bytes, (row_bytes, max(kept))
 
 
 def test_throughput_guard_decodes_in_the_measured_fastest_mode(tiny_models, plain_outputs,
@@ -213,12 +286,22 @@ def test_guard_times_a_step_without_drafts_as_plain_decoding(tiny_models, tmp_pa
     with running_llm(tiny_models.target) as llm:
         plain = llm.generate(PROMPTS[:1], params, use_tqdm=False)
     with running_llm(tiny_models.target, graft_spec(tiny_models.head, budget="auto")) as llm:
+        llm.collective_rpc(record_choices)
+        llm.collective_rpc(count_speculative_metadata)
         graft = llm.generate(PROMPTS[:1], params, use_tqdm=False)
         metrics = spec_metrics(llm)
+        choices = llm.collective_rpc(taken_choices)[0]
+        speculative_steps = llm.collective_rpc(speculative_metadata_builds)[0]
     assert graft[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert metrics["graft_guard_plain_steps"] >= 30
     assert not metrics.get("graft_guard_tree_steps") and not metrics.get("graft_guard_chain_steps")
     assert not metrics.get("graft_trees_built") and not metrics.get("graft_chains_built")
+    # the guard knew: no mode that drafts was chosen (a tree probe asked for at every
+    # step, each run plainly, kept it measuring for good), and the drafter never read
+    # the request, which can never draft
+    assert choices and set(choices) == {"plain"}, choices
+    assert speculative_steps <= 1  # vLLM's plain path ran every step but the first prefill
+    assert not metrics.get("graft_draft_forward_us") and not metrics.get("graft_draft_forwards")
 
 
 def count_speculative_metadata(worker) -> None:

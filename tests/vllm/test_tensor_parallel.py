@@ -73,6 +73,30 @@ def test_mp_tp2_auto_budget_ranks_agree(tiny_models, monkeypatch, plain_tp1):
         assert len(digests) == 2 and digests[0] == digests[1]
 
 
+def decode_plainly_in_reach_on_rank_zero_only(worker) -> None:
+    """Test only: a guard stand-in that decodes every step plainly, with trees in reach
+    by rank 0's clock and out of reach by rank 1's (each rank's guard judges reach from
+    its own timings, so near the threshold they can disagree)."""
+    from tests.vllm.test_auto_budget import decode_plainly_with_trees_in_reach
+
+    decode_plainly_with_trees_in_reach(worker)
+    worker.model_runner.drafter.guard.within_reach = lambda *args: worker.rank == 0
+
+
+@pytest.mark.timeout(300)  # ranks that disagree deadlock in their collectives
+def test_mp_tp2_ranks_that_disagree_on_reach_read_the_same_prompts(tiny_models, monkeypatch,
+                                                                  plain_tp1):
+    """Ranks whose guards disagree on whether trees are in reach follow the first
+    rank's word: each new prompt is read by the drafter on every rank or on none.
+    Decided by each rank's own reach, rank 0 fed the prompt through the drafter (whose
+    forward has collectives) while rank 1 passed the step plainly, and they hung."""
+    spec = graft_spec(tiny_models.head, budget="auto")
+    with tp2_engine(tiny_models, monkeypatch, spec) as llm:
+        llm.collective_rpc(decode_plainly_in_reach_on_rank_zero_only)
+        assert greedy_token_ids(llm, PROMPTS, MAX_TOKENS) == plain_tp1
+        assert spec_metrics(llm)["graft_draft_forward_us"] > 0  # the prompts were read
+
+
 @pytest.mark.timeout(300)
 def test_mp_tp2_fixed_budget_trees_agree_even_when_matrices_differ(tiny_models, monkeypatch,
                                                                   plain_tp1):

@@ -27,7 +27,9 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import os
 import statistics
+import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -75,6 +77,13 @@ def non_decreasing(values: list[float]) -> list[float]:
             blocks[-1][0] += total
             blocks[-1][1] += count
     return [total / count for total, count in blocks for _ in range(int(count))]
+
+
+def _beyond_slope(curve: tuple[list[float], list[float]]) -> float:
+    """ms per query token past a curve's last point (:class:`CostModel`): its last
+    segment's slope, or its mean slope where that is steeper."""
+    xs, ys = curve
+    return max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), (ys[-1] - ys[0]) / (xs[-1] - xs[0]))
 
 
 @dataclass
@@ -191,10 +200,13 @@ class CostModel:
     ``curves`` maps a batch size to ``(tokens, ms)``: increasing total query tokens of
     the batch and the forward's time there. Between measured batch sizes the time is
     interpolated linearly; past the last point of a curve it grows with the curve's last
-    slope. The other costs are learned from whole steps (:class:`StepCosts`); until a
-    mode has run, and always for a ``frozen`` profile, a tree step pays ``overhead_ms``
-    (drafting, bookkeeping) on top of plain decoding's, a chain step what plain decoding
-    pays, and both ``per_node_ms`` (Graft's work per verified node).
+    slope, or its mean slope where that is steeper: a last segment that noise flattened
+    (pooled with its neighbour by :func:`non_decreasing`) would price every larger step
+    as the last point, and the sizer would fill every tree. The other costs are learned
+    from whole steps (:class:`StepCosts`); until a mode has run, and always for a
+    ``frozen`` profile, a tree step pays ``overhead_ms`` (drafting, bookkeeping) on top
+    of plain decoding's, a chain step what plain decoding pays, and both
+    ``per_node_ms`` (Graft's work per verified node).
     """
 
     curves: dict[int, tuple[list[float], list[float]]]
@@ -207,12 +219,22 @@ class CostModel:
     def __post_init__(self):
         if not self.curves:
             raise ValueError("a cost model needs at least one measured curve")
+        for name in ("overhead_ms", "per_node_ms"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)}")
         for batch, (tokens, ms) in self.curves.items():
+            if batch < 1:
+                raise ValueError(f"curve for batch {batch}: batch sizes start at 1")
             if len(tokens) != len(ms) or len(tokens) < 2:
                 raise ValueError(f"curve for batch {batch}: need >= 2 points, got "
                                  f"{len(tokens)} tokens and {len(ms)} times")
             if any(b <= a for a, b in zip(tokens, tokens[1:])):
                 raise ValueError(f"curve for batch {batch}: tokens must increase")
+            # a forward takes time: a zero would price steps at nothing (and divide by
+            # zero), a NaN would never be repaired by online refreshes
+            if not all(0 < value < math.inf for value in (*tokens, *ms)):
+                raise ValueError(f"curve for batch {batch}: tokens and ms must be finite "
+                                 f"and > 0")
             # more query tokens never make a forward cheaper: a dip is measurement noise
             self.curves[batch] = (list(tokens), non_decreasing(ms))
 
@@ -309,12 +331,16 @@ class CostModel:
         xs, ys = (np.asarray(values, dtype=np.float64) for values in self.curves[batch])
         index = np.minimum(np.maximum(np.searchsorted(xs, tokens), 1), xs.size - 1)
         x0, x1, y0, y1 = xs[index - 1], xs[index], ys[index - 1], ys[index]
-        return y0 + (tokens - x0) * (y1 - y0) / (x1 - x0)  # extrapolates at both ends
+        inside = y0 + (tokens - x0) * (y1 - y0) / (x1 - x0)  # also below the first point
+        beyond = ys[-1] + (tokens - xs[-1]) * _beyond_slope(self.curves[batch])
+        return np.where(tokens > xs[-1], beyond, inside)
 
     def _curve_point_ms(self, batch: int, tokens: float) -> float:
         """:meth:`_curve_ms` at one point, in plain Python: it runs once per engine step,
         where even numpy's per-call cost exceeds the arithmetic."""
         xs, ys = self.curves[batch]
+        if tokens > xs[-1]:
+            return ys[-1] + (tokens - xs[-1]) * _beyond_slope(self.curves[batch])
         upper = min(max(bisect.bisect_left(xs, tokens), 1), len(xs) - 1)
         x0, x1, y0, y1 = xs[upper - 1], xs[upper], ys[upper - 1], ys[upper]
         return y0 + (tokens - x0) * (y1 - y0) / (x1 - x0)
@@ -346,11 +372,23 @@ class CostModel:
 
     # persistence: a profile is cached per (model, device, dtype, parallel layout)
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps({
+        """Written whole or not at all (a temporary file renamed over ``path``): engines
+        starting together each write their profile, and a reader must never see half
+        of one."""
+        path = Path(path)
+        text = json.dumps({
             "key": self.key, "overhead_ms": self.overhead_ms, "per_node_ms": self.per_node_ms,
             "frozen": self.frozen,
             "curves": {str(b): {"tokens": t, "ms": m} for b, (t, m) in self.curves.items()}},
-            indent=1))
+            indent=1)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.",
+                                         suffix=".tmp", delete=False) as temporary:
+            temporary.write(text)
+        try:
+            os.replace(temporary.name, path)
+        except OSError:
+            os.unlink(temporary.name)
+            raise
 
     @classmethod
     def load(cls, path: str | Path, expected_key: dict[str, str] | None = None) -> CostModel:
@@ -358,12 +396,17 @@ class CostModel:
         another model, device, dtype or layout than ``expected_key``."""
         try:
             data = json.loads(Path(path).read_text())
+            if not isinstance(data, dict) or not isinstance(data.get("curves"), dict):
+                raise ValueError("no 'curves' object")
+            key, frozen = data.get("key", {}), data.get("frozen", False)
+            if not isinstance(key, dict) or not isinstance(frozen, bool):
+                raise ValueError("'key' must be an object and 'frozen' true or false")
             curves = {int(b): (list(map(float, c["tokens"])), list(map(float, c["ms"])))
                       for b, c in data["curves"].items()}
             model = cls(curves=curves, overhead_ms=float(data.get("overhead_ms", 0.0)),
                         per_node_ms=float(data.get("per_node_ms", 0.0)),
-                        key=dict(data.get("key", {})), frozen=bool(data.get("frozen", False)))
-        except (OSError, ValueError, KeyError, TypeError) as error:
+                        key=key, frozen=frozen)
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as error:
             raise ValueError(f"cost profile {path}: {error}") from error
         if expected_key is not None and model.key != expected_key:
             raise ValueError(f"cost profile {path} was measured for {model.key}, "
@@ -730,6 +773,11 @@ def _best_count_small(ordered_prob, batch: int, cost: CostModel, mode: StepMode
 
 
 # ---- measured throughput ------------------------------------------------------------------
+#: the share of its weight below which a faded guard record is dropped
+#: (:class:`ThroughputGuard`): far above where its sums lose precision or underflow
+FORGOTTEN = 1e-30
+
+
 @dataclass
 class _ModeStats:
     """Discounted sums over one mode's steps at one batch size: steps (weight), emitted
@@ -791,6 +839,14 @@ class ThroughputGuard:
     steps each, and a tree probe at 15 requests, with the drafter catching up on every
     position it missed, cost 8 plain steps there; a mode that was faster (or a batch
     size with no measured neighbour) is probed at once.
+
+    A record that has faded to under :data:`FORGOTTEN` of its weight (about 6,900 steps
+    at the default window) is dropped, and the batch size counts as first seen again:
+    its modes are measured afresh. Left in place, its sums would
+    go on shrinking until they underflow to zero; a plain record at zero has no rate,
+    no refresh runs for a mode without one, and its first probe is long past: a batch
+    size served again after some 75,000 steps at others (an hour of a busy server)
+    would have run trees at every step from then on, at a third of plain's rate.
 
     A step chosen to measure (a first probe, a plain refresh) says so in ``measuring``:
     nothing may run another mode in its place (:class:`ChainScout` looks only at the
@@ -986,6 +1042,7 @@ class ThroughputGuard:
         self.steps += 1
         self.measuring = True
         bucket = batch_bucket(batch)
+        self._forget_faded(bucket)
         self.first_seen.setdefault(bucket, self.steps)
         modes = [mode for mode in self.modes if mode not in unavailable] or [StepMode.PLAIN]
         for mode in modes:  # first measure every mode (as far as the first probe pays)
@@ -1006,6 +1063,19 @@ class ThroughputGuard:
             return StepMode.PLAIN  # the baseline's rate is stale: measure it again
         self.measuring = False
         return best
+
+    def _forget_faded(self, bucket: int) -> None:
+        """Drop the records at ``bucket`` that faded to under :data:`FORGOTTEN` of their
+        weight; with none left, the bucket is seen for the first time now (class doc)."""
+        keep, forgot = 1.0 - 1.0 / self.window, False
+        for mode in self.modes:
+            stats = self.stats.get((bucket, mode))
+            if stats is not None and keep ** max(self.steps - stats.step, 0) < FORGOTTEN:
+                del self.stats[bucket, mode]
+                self.measured.pop((bucket, mode), None)
+                forgot = True
+        if forgot and not any((bucket, mode) in self.stats for mode in self.modes):
+            self.first_seen[bucket] = self.steps
 
     def _probe_due(self, batch: int, mode: StepMode, fastest: StepMode,
                    lead: float = 0.0) -> bool:
@@ -1096,7 +1166,7 @@ class ThroughputGuard:
         probe measures it."""
         key = (batch_bucket(batch), mode)
         stats = self.stats.get(key)
-        if stats is None or seconds <= 0:
+        if stats is None or not 0 < seconds < math.inf:
             return
         # the record is discounted lazily from its last step: add what is worth
         # ``seconds`` now (a record faded past any weight is left alone)
@@ -1116,7 +1186,7 @@ class ThroughputGuard:
         """One decoding step (no prefill): ``tokens`` emitted by ``batch`` requests in
         ``seconds``, in the given mode, counted as :meth:`counted_seconds` says (a
         speculative step at several requests charged, a stall capped)."""
-        if seconds <= 0 or batch <= 0:
+        if not 0 < seconds < math.inf or batch <= 0:  # a NaN would poison the record
             return
         key = (batch_bucket(batch), mode)
         seconds = self.counted_seconds(mode, batch, seconds)

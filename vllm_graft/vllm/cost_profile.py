@@ -1,13 +1,15 @@
 """The start-up cost profile behind ``budget: "auto"``: the target's forward time as a
 function of the batch's query tokens, measured on this engine with vLLM's own dummy
-forward, cached per (model, device, dtype, parallel layout) so a restart is fast, and
-refreshed online from real steps (:meth:`CostModel.observe`)."""
+forward up to the most tokens a step of full trees can verify, cached per (model,
+device, dtype, quantization, parallel layout) so a restart is fast, and refreshed
+online from real steps (:meth:`CostModel.observe`)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import os
 
 import torch
 
@@ -18,18 +20,56 @@ from vllm_graft.vllm.tp_agreement import agree, is_first_rank
 
 logger = logging.getLogger(__name__)
 
-#: query-token counts measured at start-up (those within the engine's token budget)
-PROFILE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+#: query-token counts measured at start-up: those within the engine's token budget, up
+#: to the first that covers a step of full trees (:func:`profiled_tokens`)
+PROFILE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                  32768, 65536)
+
+
+def profiled_tokens(max_batched_tokens: int, max_requests: int, budget: int) -> list[int]:
+    """The counts of :data:`PROFILE_TOKENS` the engine can schedule, up to the first at
+    or past ``max_requests`` drafts of ``budget`` nodes and their roots: the sizer prices
+    steps up to there, and past a curve's last point it can only extrapolate (on a GPU
+    the cost per token grows several times past a few hundred tokens, where compute,
+    not memory, bounds the forward)."""
+    reach = max_requests * (budget + 1)
+    counts = []
+    for count in PROFILE_TOKENS:
+        if count > max_batched_tokens:
+            break
+        counts.append(count)
+        if count >= reach:
+            break
+    return counts
+
+
+def device_name(device: torch.device) -> str:
+    """The device as a profile's key names it: a GPU by its model, a CPU by its model
+    and cores (a cache directory shared by machines must not mix them)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            model = next((line.split(":", 1)[1].strip() for line in cpuinfo
+                          if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return f"cpu: {model or 'unknown'}, {os.cpu_count()} cores"
 
 
 def profile_key(runner) -> dict[str, str]:
     config = runner.vllm_config
-    device = torch.device(runner.device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    parallel = config.parallel_config
-    return {"model": str(config.model_config.model), "device": name,
-            "dtype": str(config.model_config.dtype).removeprefix("torch."),
-            "layout": f"tp{parallel.tensor_parallel_size}"}
+    model_config, parallel = config.model_config, config.parallel_config
+    layout = f"tp{parallel.tensor_parallel_size}"
+    if getattr(parallel, "pipeline_parallel_size", 1) > 1:
+        layout += f"pp{parallel.pipeline_parallel_size}"
+    key = {"model": str(model_config.model), "device": device_name(torch.device(runner.device)),
+           "dtype": str(model_config.dtype).removeprefix("torch."), "layout": layout}
+    for name in ("quantization", "revision"):  # named only where set
+        if getattr(model_config, name, None):
+            key[name] = str(getattr(model_config, name))
+    return key
 
 
 def profile_path(key: dict[str, str]):
@@ -37,10 +77,10 @@ def profile_path(key: dict[str, str]):
     return default_cache_dir() / "cost-profiles" / f"{digest}.json"
 
 
-def measure(runner, repeats: int = 5) -> CostModel:
-    """Fastest of ``repeats`` timings of vLLM's dummy forward at each profiled token
-    count. The fastest, not the median: the profile is cached for every later start,
-    and a forward is only ever slowed by what else runs on the device, never sped up.
+def measure(runner, tokens: list[int], repeats: int = 5) -> CostModel:
+    """Fastest of ``repeats`` timings of vLLM's dummy forward at each of ``tokens``.
+    The fastest, not the median: the profile is cached for every later start, and a
+    forward is only ever slowed by what else runs on the device, never sped up.
     A profile measured beside another job (4 query tokens at 100 ms against 57 for 1
     on this repository's CPU, where an idle machine measures 64) kept every later
     engine from verifying more than a token or two.
@@ -50,8 +90,6 @@ def measure(runner, repeats: int = 5) -> CostModel:
     slows one turn of every count, not every timing of the counts measured during it.
     Timed one count after another, a burst that started after the smallest counts had
     been measured made 8 tokens cost 10 times one token, and no tree was ever verified."""
-    limit = runner.scheduler_config.max_num_batched_tokens
-    tokens = [n for n in PROFILE_TOKENS if n <= limit]
     for n in tokens:
         runner._dummy_run(n)  # warm-up: each shape's one-off costs stay out of the times
     times = [float("inf")] * len(tokens)
@@ -64,7 +102,7 @@ def measure(runner, repeats: int = 5) -> CostModel:
     return CostModel(curves={1: ([float(n) for n in tokens], times)}, key=profile_key(runner))
 
 
-def _cached(key: dict[str, str]) -> CostModel | None:
+def _cached(key: dict[str, str], tokens: list[int]) -> CostModel | None:
     path = profile_path(key)
     if not path.is_file():
         return None
@@ -72,6 +110,11 @@ def _cached(key: dict[str, str]) -> CostModel | None:
         model = CostModel.load(path, expected_key=key)
     except ValueError as error:
         logger.warning("Graft: ignoring the cached cost profile (%s); measuring again", error)
+        return None
+    reach = min(curve[0][-1] for curve in model.curves.values())
+    if reach < tokens[-1] and not model.frozen:
+        logger.info("Graft: the cached cost profile %s reaches %d query tokens, this engine "
+                    "schedules up to %d; measuring again", path, reach, tokens[-1])
         return None
     logger.info("Graft: cost profile from %s", path)
     return model
@@ -82,10 +125,14 @@ def load_or_measure(runner) -> CostModel:
     rank together: measuring runs dummy forwards, whose collectives hang unless every
     rank runs them, so no rank decides from its own cache alone."""
     key = profile_key(runner)
-    model = agree(_cached(key) if is_first_rank() else None)
+    config = runner.drafter.settings.config
+    tokens = profiled_tokens(runner.scheduler_config.max_num_batched_tokens,
+                             runner.scheduler_config.max_num_seqs,
+                             max(config.budget, config.chain_tokens + config.chain_walk))
+    model = agree(_cached(key, tokens) if is_first_rank() else None)
     if model is not None:
         return model
-    model = measure(runner)
+    model = measure(runner, tokens)
     if not is_first_rank():
         return model  # its sizer's choices are the first rank's anyway
     path = profile_path(key)

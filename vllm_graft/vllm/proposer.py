@@ -126,6 +126,19 @@ class ShadowChain:
         return self.source, self.score, copied_prefix(self.tokens, emitted), self.verified
 
 
+def speculates_ever(req_state) -> bool:
+    """Whether the request's options allow drafts at some point of its life: all but
+    ``min_tokens`` of the reasons for plain decoding last as long as the request."""
+    params = req_state.sampling_params
+    return params is not None and plain_decoding_reason(params, params.min_tokens) is None
+
+
+def speculates_now(req_state) -> bool:
+    """Whether the request's options allow drafts at its next position."""
+    return plain_decoding_reason(req_state.sampling_params,
+                                 len(req_state.output_token_ids)) is None
+
+
 @dataclass
 class DeferredRows:
     """Drafter inputs of positions a request settled without drafting (decoded plainly
@@ -442,13 +455,14 @@ class GraftTreeDrafting:
 
     def pass_plainly(self, req_ids: list[str], scheduled) -> list[list[int]]:
         """:meth:`propose_trees` for a plain step when the drafter follows none of the
-        ``scheduled`` requests: no drafts, and no drafter input to feed or defer, so the
-        step's settled rows are never read. A request seen for the first time still gets
-        its follow decision here (:meth:`follows`), as the catch-up would give it."""
+        ``scheduled`` requests (their states): no drafts, and no drafter input to feed
+        or defer, so the step's settled rows are never read. A request seen for the
+        first time still gets its follow decision here (:meth:`follows`), as the
+        catch-up would give it."""
         self._start_proposal()
         if self.settings.config.variant.drafts:
-            for req_id in scheduled:
-                self.follows(req_id)
+            for req_state in scheduled:
+                self.follows(req_state)
         return [[] for _ in req_ids]
 
     def _schedule(self, tree, rows: HostRows, t: int, req_id: str, batch_row: int,
@@ -588,22 +602,43 @@ class GraftTreeDrafting:
     #: drafter's cost with it) and tries again after this many plain steps
     REPROBE_STEPS = 8
 
-    def follows(self, req_id: str) -> bool:
+    def follows(self, req_state) -> bool:
         """Whether the drafter reads this request's positions, decided at its first
         sight for its whole life: not when the throughput guard had measured trees well
-        below the fastest mode at the batch size it arrived in. The drafter's pass over
-        such a request's prompt, the projection of its rows and their deferral would
-        serve only trees, which it then never drafts (copy chains and plain decoding
-        need no drafter)."""
-        follows = self.drafter_follows.get(req_id)
+        below the fastest mode at the batch size it arrived in, nor when the request's
+        options forbid speculation for its whole life (:func:`speculates_ever`). The
+        drafter's pass over such a request's prompt, the projection of its rows and
+        their deferral would serve only trees, which it then never drafts (copy chains
+        and plain decoding need no drafter)."""
+        follows = self.drafter_follows.get(req_state.req_id)
         if follows is None:
-            follows = self.drafter_follows[req_id] = self.trees_in_reach
+            follows = self.drafter_follows[req_state.req_id] = (
+                self.trees_in_reach and speculates_ever(req_state))
         return follows
 
-    def would_follow_any(self, req_ids, trees_in_reach: bool) -> bool:
+    def would_follow_any(self, req_states, trees_in_reach: bool) -> bool:
         """Whether the drafter follows (or, at first sight, would follow) any of
-        ``req_ids``: without one, no request can draft a tree this step."""
-        return any(self.drafter_follows.get(req_id, trees_in_reach) for req_id in req_ids)
+        ``req_states``: without one, no request can draft a tree this step."""
+        return any(self._would_follow(state, trees_in_reach) for state in req_states)
+
+    def _would_follow(self, req_state, trees_in_reach: bool) -> bool:
+        follows = self.drafter_follows.get(req_state.req_id)
+        if follows is None:  # first sight: as :meth:`follows` will decide
+            return trees_in_reach and speculates_ever(req_state)
+        return follows
+
+    def unavailable_modes(self, req_states, trees_in_reach: bool) -> tuple[StepMode, ...]:
+        """The speculative modes no request of the batch can draft in this step: trees
+        without a request that the drafter follows and whose options allow drafting
+        now, chains without any such request. A mode the guard chose that drafts
+        nothing runs as plain decoding and measures nothing of its own, so its first
+        probe would be asked for at every step."""
+        now = [state for state in req_states if speculates_now(state)]
+        if not now:
+            return StepMode.TREE, StepMode.CHAIN
+        if not any(self._would_follow(state, trees_in_reach) for state in now):
+            return (StepMode.TREE,)
+        return ()
 
     def may_draft(self, req_state, root_position: int, mode: StepMode | None = None) -> bool:
         """A tree needs its rows (and the drafter's) to fit in the context, a request
@@ -616,7 +651,7 @@ class GraftTreeDrafting:
         mode = self.mode if mode is None else mode
         if mode is StepMode.PLAIN:
             return False
-        if mode is StepMode.TREE and not self.follows(req_state.req_id):
+        if mode is StepMode.TREE and not self.follows(req_state):
             return False
         if root_position + max(config.budget, config.max_depth, self.chain_tokens) + 1 \
                 > self.max_model_len:
@@ -625,8 +660,7 @@ class GraftTreeDrafting:
         if mode is StepMode.TREE and plain is not None and plain < self.REPROBE_STEPS:
             self.plain_steps[req_state.req_id] = plain + 1
             return False
-        return plain_decoding_reason(req_state.sampling_params,
-                                     len(req_state.output_token_ids)) is None
+        return speculates_now(req_state)
 
     def _context_index(self, runner, settled: SettledRows) -> ContextIndex:
         """The request's context index, brought up to its last settled token (the
@@ -660,6 +694,19 @@ class GraftTreeDrafting:
     #: only cost acceptance, never correctness)
     MAX_DEFERRED = 64
 
+    def _target_rows(self, settled: list[SettledRows], indices: list[int],
+                     aux_hidden_states: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """The target's hidden rows of the ``settled`` requests at ``indices``, copied
+        into one tensor and split per request."""
+        if not indices:
+            return {}
+        rows = torch.tensor([r for i in indices for r in settled[i].rows],
+                            dtype=torch.long, device=self.device)
+        target_hidden = torch.cat([h[rows] for h in aux_hidden_states], dim=-1) \
+            if self.eagle3_use_aux_hidden_state else aux_hidden_states[-1][rows]
+        return dict(zip(indices, target_hidden.split([len(settled[i].rows)
+                                                      for i in indices])))
+
     def _catch_up(self, runner, settled: list[SettledRows],
                   aux_hidden_states: list[torch.Tensor], feeds: list[bool]):
         """Causal drafter forward over the settled positions of the requests that
@@ -670,19 +717,21 @@ class GraftTreeDrafting:
         index of each fed request by its index in ``settled``, last row of each fed
         request in the catch-up batch, hidden for logits, hidden for the next step)."""
         req_ids = runner.input_batch.req_ids
-        followed = [i for i, s in enumerate(settled) if self.follows(req_ids[s.batch_row])]
+        followed = [i for i, s in enumerate(settled)
+                    if self.follows(runner.requests[req_ids[s.batch_row]])]
         per_request = {i: self._catch_up_inputs(settled[i]) for i in followed}
         hidden_rows: dict[int, torch.Tensor | None] = dict.fromkeys(followed)
         if self.USES_HIDDEN and followed:
             # the target's rows as they are (a copy: vLLM reuses its buffers); the
             # drafter's projection of them runs when they are fed (:meth:`_feed`), so a
-            # row deferred by a plain or chain step costs no matrix product
-            rows = torch.tensor([r for i in followed for r in settled[i].rows],
-                                dtype=torch.long, device=self.device)
-            target_hidden = torch.cat([h[rows] for h in aux_hidden_states], dim=-1) \
-                if self.eagle3_use_aux_hidden_state else aux_hidden_states[-1][rows]
-            hidden_rows = dict(zip(followed, target_hidden.split(
-                [len(settled[i].rows) for i in followed])))
+            # row deferred by a plain or chain step costs no matrix product. Rows to be
+            # kept get a copy of their own: kept as views of the step's copy, a
+            # request's one row would hold every prompt chunk fed beside it in memory
+            # for as long as the request keeps its rows (up to MAX_DEFERRED steps)
+            kept = [i for i in followed if not feeds[i] and settled[i].decoding]
+            fed = [i for i in followed if feeds[i] or not settled[i].decoding]
+            for group in (kept, fed):
+                hidden_rows.update(self._target_rows(settled, group, aux_hidden_states))
         now: list[tuple[int, tuple]] = []  # (index in settled, rows fed now)
         for i in followed:
             s, (tokens, positions), hidden = settled[i], per_request[i], hidden_rows[i]

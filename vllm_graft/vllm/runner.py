@@ -595,7 +595,7 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
         read_settled()
     _observe_step(runner, scheduler_output, settled, step)  # before choosing the next
     proposer.scout_fired = False
-    following = True
+    following, states = True, []
     if proposer.guard is not None:
         # every rank must draft (or not) alike: the first rank's timing decides
         requests = list(scheduler_output.num_scheduled_tokens)
@@ -605,9 +605,9 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
                                            scouted=proposer.scout is not None)
             if proposer.scout is not None:
                 proposer.scout.text_changed(joined, len(requests))
+        states = [runner.requests[req_id] for req_id in requests]
         reach = proposer.guard.within_reach(len(requests), StepMode.TREE)
-        following = proposer.would_follow_any(requests, reach)
-        mode = proposer.guard.choose(len(requests), () if following else (StepMode.TREE,))
+        mode = proposer.guard.choose(len(requests), proposer.unavailable_modes(states, reach))
         if (mode is StepMode.PLAIN and not proposer.guard.measuring
                 and proposer.scout is not None and proposer.scout.due()):
             stats.counts["chain_scout_looks"] += 1
@@ -617,10 +617,12 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
                 proposer.scout_fired = True
                 stats.counts["chain_scout_steps"] += 1
         proposer.mode, proposer.trees_in_reach = agree((mode, reach))
+        # from the agreed reach: ranks that disagreed on it must still all feed the
+        # drafter (its forward's collectives), or all pass plainly
+        following = proposer.would_follow_any(states, proposer.trees_in_reach)
     if proposer.mode is StepMode.PLAIN and not following:
         # nothing to draft, and no drafter input to feed or keep
-        drafts = proposer.pass_plainly(runner.input_batch.req_ids,
-                                       scheduler_output.num_scheduled_tokens)
+        drafts = proposer.pass_plainly(runner.input_batch.req_ids, states)
     else:
         _decide_drafting(runner, read_settled())
         drafts = proposer.propose_trees(runner, scheduler_output, read_settled(),
