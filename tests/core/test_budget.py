@@ -195,6 +195,7 @@ def test_a_saved_profile_replaces_the_file_whole(tmp_path):
     in place, a reader beside 300 writes found the file empty or cut short in about a
     third of its reads."""
     import threading
+    import time
 
     path = tmp_path / "profile.json"
     path.write_text("{not json")
@@ -216,9 +217,14 @@ def test_a_saved_profile_replaces_the_file_whole(tmp_path):
         except ValueError:
             torn += 1
         reads += 1
+        time.sleep(0)  # let the writer run
     writer.join()
     assert reads > 0 and torn == 0, (reads, torn)
     assert [p.name for p in tmp_path.iterdir()] == ["profile.json"]
+    # readable as any file the process writes (a cache directory may be shared)
+    probe = tmp_path / "probe"
+    probe.write_text("")
+    assert path.stat().st_mode & 0o777 == probe.stat().st_mode & 0o777
 
 
 def test_acceptance_model_learns_per_source_and_depth():

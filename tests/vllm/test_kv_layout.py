@@ -1,5 +1,6 @@
 """Addressing the paged KV cache (kernel-block splitting, slots) and the start-up
-refusals of layouts Graft cannot serve: KV sharing, KV connectors, KV offloading."""
+refusals of what Graft cannot serve: KV sharing, KV connectors, KV offloading, and
+watermarking (vLLM's V2 runner only)."""
 
 from __future__ import annotations
 
@@ -79,6 +80,16 @@ def test_kv_transfer_is_refused_at_startup(tiny_models, extra, message):
     args = EngineArgs(model=str(tiny_models.target), dtype="float32", enforce_eager=True,
                       speculative_config=graft_spec(tiny_models.head, budget=8), **extra)
     with pytest.raises(ValueError, match=message):
+        args.create_engine_config()
+
+
+def test_watermarking_is_refused_at_startup(tiny_models):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=str(tiny_models.target), dtype="float32", enforce_eager=True,
+                      speculative_config=graft_spec(tiny_models.head, budget=8),
+                      watermark_config={"key": 7})
+    with pytest.raises(ValueError, match="does not support watermarking"):
         args.create_engine_config()
 
 

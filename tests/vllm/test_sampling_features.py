@@ -102,11 +102,51 @@ def test_seeded_sampling_reproduces_plain_decoding(tiny_models):
     assert metrics["spec_decode_num_accepted_tokens"] > 40
 
 
+def test_parallel_samples_stops_and_prompt_logprobs_match_plain_decoding(tiny_models):
+    """Beside trees (peaked target, budget 60: long accepted paths): ``n=3`` (each child
+    a request of its own, with its own seeded stream), a stop token that plain decoding
+    meets mid-way (the tokens of an accepted path past it dropped, its logprobs cut
+    with them) and prompt logprobs: every child, finish reason, logprob and prompt
+    logprob as plain decoding gives them."""
+    from vllm import SamplingParams
+
+    prompts = PROMPTS[:3]
+    with running_llm(tiny_models.sharp) as llm:
+        probe = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+        stop = llm.generate(prompts[1:2], probe, use_tqdm=False)[0].outputs[0].token_ids[10]
+        params = [SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=32, ignore_eos=True),
+                  SamplingParams(temperature=0.0, max_tokens=32, stop_token_ids=[stop],
+                                 logprobs=2),
+                  SamplingParams(temperature=0.8, seed=9, max_tokens=32, ignore_eos=True,
+                                 prompt_logprobs=2)]
+        plain = llm.generate(prompts, params, use_tqdm=False)
+    with running_llm(tiny_models.sharp, graft_spec(tiny_models.sharp_head, budget=60)) as llm:
+        graft = llm.generate(prompts, params, use_tqdm=False)
+        metrics = spec_metrics(llm)
+    for p, g in zip(plain, graft):
+        assert [list(c.token_ids) for c in g.outputs] == [list(c.token_ids) for c in p.outputs]
+        assert [c.finish_reason for c in g.outputs] == [c.finish_reason for c in p.outputs]
+    assert len(graft[0].outputs) == 3
+    expected, got = plain[1].outputs[0], graft[1].outputs[0]
+    assert got.finish_reason == "stop" and len(got.token_ids) <= 11
+    assert len(got.logprobs) == len(got.token_ids) == len(expected.logprobs)
+    for e, g in zip(expected.logprobs, got.logprobs):
+        assert set(e) == set(g)
+        assert all(math.isclose(g[t].logprob, lp.logprob, abs_tol=1e-4) for t, lp in e.items())
+    expected, got = plain[2].prompt_logprobs, graft[2].prompt_logprobs
+    assert len(got) == len(expected) and got[0] is None
+    for e, g in zip(expected[1:], got[1:]):
+        assert set(e) == set(g)
+        assert all(math.isclose(g[t].logprob, lp.logprob, abs_tol=1e-4) for t, lp in e.items())
+    assert metrics["spec_decode_num_accepted_tokens"] > 20, metrics
+
+
 def test_requests_decoded_plainly_beside_trees_wait_for_the_drafter(tiny_models):
-    """A request that may not draft (penalties) keeps its drafter rows for later while
-    the others draft trees: the drafter forward of a tree step carries only the rows of
-    the requests drafting in it. The min_tokens request waits, then drafts with every
-    row it kept, and both decode as plain decoding does."""
+    """A request that may not draft yet (min_tokens) keeps its drafter rows for later
+    while the others draft trees: the drafter forward of a tree step carries only the
+    rows of the requests drafting in it. It waits, then drafts with every row it kept.
+    A request that may never draft (penalties) is not followed by the drafter at all:
+    it keeps no rows. Both decode as plain decoding does."""
     from vllm import SamplingParams
 
     from vllm_graft.vllm.rpc import request_state_counts
@@ -131,5 +171,8 @@ def test_requests_decoded_plainly_beside_trees_wait_for_the_drafter(tiny_models)
         metrics = spec_metrics(llm)
     assert [tokens[f"r{i}"] for i in range(3)] == plain
     assert metrics["graft_verified_trees"] > 0
-    # the penalised request waits throughout, the min_tokens one only at first
-    assert 2 in waiting[1:6] and waiting.count(1) > 5, waiting
+    # the min_tokens request waits at first, then drafts for several steps with what
+    # it kept; the penalised one never waits
+    fed = waiting.index(0, 1)
+    assert fed >= 6 and set(waiting[1:fed]) == {1} and set(waiting[fed:]) == {0}, waiting
+    assert len(waiting) - fed > 3, waiting

@@ -29,7 +29,7 @@ import json
 import math
 import os
 import statistics
-import tempfile
+import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -381,13 +381,14 @@ class CostModel:
             "frozen": self.frozen,
             "curves": {str(b): {"tokens": t, "ms": m} for b, (t, m) in self.curves.items()}},
             indent=1)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.",
-                                         suffix=".tmp", delete=False) as temporary:
-            temporary.write(text)
+        # created as open() creates files (the umask's permissions, not mkstemp's 0600)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
         try:
-            os.replace(temporary.name, path)
+            with open(temporary, "x") as file:
+                file.write(text)
+            os.replace(temporary, path)
         except OSError:
-            os.unlink(temporary.name)
+            temporary.unlink(missing_ok=True)
             raise
 
     @classmethod

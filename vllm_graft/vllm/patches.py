@@ -8,7 +8,7 @@ through the general-plugin entry point.
 
 | # | vLLM symbol | change |
 |---|---|---|
-| 1 | ``engine.arg_utils.EngineArgs.create_speculative_config`` | translate ``method: graft`` |
+| 1 | ``engine.arg_utils.EngineArgs.create_speculative_config`` | translate ``method: graft``; refuse KV transfer and watermarking |
 | 2 | ``engine.arg_utils.EngineArgs.add_cli_args`` | ``--speculative-config`` takes a file |
 | 2b | ``sampling_params.SamplingParams._validate_spec_decode`` | allow min_p, logit_bias; refuse thinking budgets; check Graft request fields (400) |
 | 2c | ``config.VllmConfig.use_v2_model_runner`` | Graft engines use the V1 runner |
@@ -91,6 +91,16 @@ def validate_graft_request_fields(extra_args: dict | None, tenant_field: str) ->
 _V1_RUNNER_LOGGED: list[bool] = []
 
 
+def refuse_watermarking(engine_args) -> None:
+    """vLLM 0.32 watermarks only in its V2 model runner; Graft's tree verification lives
+    in the V1 runner, where every watermarked request would fail (or, with its draft
+    sampling changed, be served unwatermarked)."""
+    if getattr(engine_args, "watermark_config", None) is not None:
+        raise ValueError("Graft does not support watermarking (watermark_config is set): "
+                         "vLLM watermarks only in its V2 model runner, and Graft's tree "
+                         "verification runs in the V1 runner")
+
+
 def refuse_kv_transfer(engine_args) -> None:
     """KV connectors and KV offloading save a step's K/V when the forward ends, before
     Graft moves the accepted tree path into place: they would store rejected rows."""
@@ -154,6 +164,7 @@ def _patch_engine_args() -> list[Patch]:
             spec = {k.replace("-", "_"): v for k, v in spec.items()}
         if is_graft_spec(spec):
             refuse_kv_transfer(self)
+            refuse_watermarking(self)
             eagle_spec, settings = translate_speculative_config(
                 spec, target_model=target_model_config.model,
                 target_vocab_size=target_model_config.get_vocab_size(),
