@@ -89,6 +89,9 @@ def test_speculative_config_argument_forms(tmp_path):
     (tmp_path / "bad.json").write_text("[1]")
     with pytest.raises(GraftConfigError, match="bad.json.*must be a JSON object"):
         load_speculative_config_arg(str(tmp_path / "bad.json"))
+    (tmp_path / "bad.yaml").write_text("method: graft\ngraft: [budget: 8\n")
+    with pytest.raises(GraftConfigError, match="bad.yaml.*invalid YAML"):
+        load_speculative_config_arg(str(tmp_path / "bad.yaml"))
 
 
 def test_llm_refuses_a_bad_config_at_startup(tiny_models):

@@ -61,6 +61,52 @@ def test_state_path_is_resolved_and_its_folder_checked(tiny_models, tmp_path):
                                                 successor_state={"path": "x"}))
 
 
+def test_a_state_path_that_cannot_be_written_is_refused_at_startup(tiny_models, tmp_path,
+                                                                   monkeypatch):
+    """Found at start-up, not at the first save minutes into serving. (The suite runs
+    as root, which writes anywhere: the permission answer is what changes here.)"""
+    import os
+
+    import vllm_graft.vllm.config as config_module
+
+    spec = _state_spec(tiny_models, tmp_path / "graft.sm")
+    translate_speculative_config(spec)
+    monkeypatch.setattr(config_module.os, "access", lambda path, mode: False)
+    with pytest.raises(GraftConfigError, match=r"successor_state\.path: .*graft\.sm.* cannot "
+                                               r"be written"):
+        translate_speculative_config(spec)
+    monkeypatch.setattr(config_module.os, "access", os.access)
+
+
+def test_a_home_relative_path_in_a_config_file_is_the_home_folders(tiny_models, tmp_path,
+                                                                   monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf/graft.json").write_text(json.dumps(
+        {"method": "graft", "model": str(tiny_models.head),
+         "graft": {"isolation": "global", "successor_state": {"path": "~/graft.sm"}}}))
+    spec = load_speculative_config_arg(str(tmp_path / "conf/graft.json"))
+    assert spec["graft"]["successor_state"]["path"] == str(tmp_path / "graft.sm")
+    _, settings = translate_speculative_config(spec)
+    assert settings["successor_state"]["path"] == str(tmp_path / "graft.sm")
+
+
+@pytest.mark.parametrize("rank, index, writes", [(0, 0, True), (0, 1, False), (1, 1, False),
+                                                 (0, None, True), (1, None, False)])
+def test_one_data_parallel_engine_writes_the_state(rank, index, writes):
+    """vLLM 0.32 runs each data-parallel engine of a dense model as an independent one,
+    with ``data_parallel_rank`` 0 in every engine; ``data_parallel_index`` keeps its
+    place. Read from the rank, every engine wrote the one file, each over the others'."""
+    from types import SimpleNamespace
+
+    from vllm_graft.vllm.successor_state import is_first_data_parallel_engine
+
+    config = SimpleNamespace(data_parallel_rank=rank)
+    if index is not None:
+        config.data_parallel_index = index
+    assert is_first_data_parallel_engine(config) is writes
+
+
 @pytest.mark.parametrize("problem, message", [
     ("tokenizer", "learned with another tokenizer"),
     ("vocabulary", "vocab_size 77 does not match the model's"),

@@ -44,6 +44,8 @@ def trees_seen(llm) -> list[list[tuple]]:
 
 def tp2_engine(tiny_models, monkeypatch, spec, **kwargs):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # a core per rank
+    # cost profiles beside the test models, not in the user's cache
+    monkeypatch.setenv("VLLM_GRAFT_CACHE", str(tiny_models.target.parent / "graft-cache"))
     return running_llm(tiny_models.target, spec, tensor_parallel_size=2,
                        distributed_executor_backend="mp", max_model_len=512, **kwargs)
 

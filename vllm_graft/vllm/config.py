@@ -58,10 +58,13 @@ def load_speculative_config_arg(value: str) -> dict[str, Any]:
         if path.suffix in (".yaml", ".yml"):
             import yaml
 
-            data = yaml.safe_load(raw)
+            try:
+                data = yaml.safe_load(raw)
+            except yaml.YAMLError as err:  # not a ValueError
+                raise ValueError(f"invalid YAML ({err})") from None
         else:
             data = json.loads(raw)
-    except (OSError, ValueError) as err:  # JSONDecodeError and YAMLError are ValueErrors
+    except (OSError, ValueError) as err:  # JSONDecodeError is a ValueError
         raise GraftConfigError(f"speculative config file {str(path)!r}: {err}") from None
     data = _require_mapping(data, f"speculative config file {str(path)!r}")
     return _resolve_relative_paths(data, path.parent)
@@ -79,17 +82,22 @@ def _resolve_relative_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
     if isinstance(graft, dict):
         graft = dict(graft)
         for key in _FILE_KEYS:
-            if isinstance(graft.get(key), str) and not os.path.isabs(graft[key]):
-                graft[key] = str(base / graft[key])
+            if isinstance(graft.get(key), str):
+                graft[key] = _relative_to(base, graft[key])
         state = graft.get("successor_state")
-        if isinstance(state, dict) and isinstance(state.get("path"), str) \
-                and not os.path.isabs(state["path"]):
-            graft["successor_state"] = {**state, "path": str(base / state["path"])}
+        if isinstance(state, dict) and isinstance(state.get("path"), str):
+            graft["successor_state"] = {**state, "path": _relative_to(base, state["path"])}
         data["graft"] = graft
     model = data.get("model")
     if isinstance(model, str) and not os.path.isabs(model) and (base / model).exists():
         data["model"] = str(base / model)
     return data
+
+
+def _relative_to(base: Path, value: str) -> str:
+    """A path from a config file: ``~`` expanded, then relative to the file's folder."""
+    path = os.path.expanduser(value)
+    return path if os.path.isabs(path) else str(base / path)
 
 
 def is_graft_spec(spec: Any) -> bool:
@@ -123,20 +131,25 @@ def translate_speculative_config(spec: dict[str, Any], *, target_model: str | No
             f"({config.budget}); remove it or make it equal, got {tokens}")
     for key in _FILE_KEYS:
         value = getattr(config, key)
-        if value is not None and not Path(value).is_file():
+        if value is not None and not Path(value).expanduser().is_file():
             raise GraftConfigError(f"speculative_config.graft.{key}: file {value!r} not found")
     settings = config.model_dump(mode="json", exclude_none=True)
     for key in _FILE_KEYS:
         if key in settings:
-            settings[key] = str(Path(settings[key]).resolve())
+            settings[key] = str(Path(settings[key]).expanduser().resolve())
     if config.successor_state is not None:
         state_path = Path(config.successor_state.path).expanduser().resolve()
+        where = "speculative_config.graft.successor_state.path"
         if not state_path.parent.is_dir():
-            raise GraftConfigError(f"speculative_config.graft.successor_state.path: folder "
-                                   f"{str(state_path.parent)!r} does not exist")
+            raise GraftConfigError(f"{where}: folder {str(state_path.parent)!r} does not "
+                                   f"exist")
         if state_path.is_dir():
-            raise GraftConfigError(f"speculative_config.graft.successor_state.path: "
-                                   f"{str(state_path)!r} is a folder, not a file")
+            raise GraftConfigError(f"{where}: {str(state_path)!r} is a folder, not a file")
+        if not os.access(state_path.parent, os.W_OK | os.X_OK) or (
+                state_path.exists() and not os.access(state_path, os.W_OK)):
+            # found now, not at the first save minutes into serving
+            raise GraftConfigError(f"{where}: {str(state_path)!r} cannot be written (no "
+                                   f"write permission)")
         settings["successor_state"]["path"] = str(state_path)
         config = GraftConfig.from_dict(settings, where="speculative_config.graft")
     check_files(config, target_model=target_model, drafter_model=spec["model"],

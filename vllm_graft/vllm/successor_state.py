@@ -44,7 +44,16 @@ def is_state_writer(vllm_config) -> bool:
     ranks of one engine hold identical matrices, and one file has one writer."""
     from vllm_graft.vllm.tp_agreement import is_first_rank
 
-    return is_first_rank() and vllm_config.parallel_config.data_parallel_rank == 0
+    return is_first_rank() and is_first_data_parallel_engine(vllm_config.parallel_config)
+
+
+def is_first_data_parallel_engine(parallel_config) -> bool:
+    """Whether this engine is data-parallel engine 0. Its ``data_parallel_index``, not
+    its rank: vLLM 0.32 runs each engine of a dense model as an independent one and
+    sets every engine's ``data_parallel_rank`` to 0 (``data_parallel_index`` keeps the
+    engine's place), and every engine would write the one file, each over the others'."""
+    index = getattr(parallel_config, "data_parallel_index", None)
+    return (parallel_config.data_parallel_rank if index is None else index) == 0
 
 
 class SuccessorStateKeeper:
