@@ -172,7 +172,8 @@ def main() -> int:
     if args.rounds < 2 or args.rounds % 2:
         parser.error("--rounds must be even (the pair's order alternates round by round)")
     job = json.loads(args.job.read_text())
-    if not job.get("spec") or job["spec"].get("graft", {}).get("budget") != "auto":
+    graft = (job.get("spec") or {}).get("graft", {})
+    if graft.get("budget") != "auto" and not graft.get("auto_size"):
         parser.error(f"{args.job}: not a budget-auto Graft engine's job")
     settings = parse_guard(args.guard)
     if args.datasets:

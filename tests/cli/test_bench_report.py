@@ -146,6 +146,56 @@ def test_tail_is_checked_against_vllms_chain_and_gets_a_chain_calibration():
     assert graft["graft"]["calibration"] == "tree.json"
 
 
+@pytest.mark.parametrize("budget", [60, 30])
+def test_budget_auto_rows_are_capped_at_the_benchs_budget(budget):
+    """``--budget 30`` fits the calibration at 30: the rows of budget "auto" must run
+    with that cap, or the calibration stops their engines at start-up, after the rows
+    before them ran."""
+    from vllm_graft.bench.methods import methods
+    from vllm_graft.core.config import GraftConfig
+
+    table = methods(budget)
+    for name in ("graft", "graft_auto", "graft_plain", "graft_chain", "graft_tree"):
+        spec = table[name].speculative_config("H", None, "tree.json")
+        config = GraftConfig.from_dict(spec["graft"])
+        assert config.budget == budget, name
+        assert config.auto_size == (name != "graft"), name
+
+
+def test_a_later_round_that_diverged_fails_greedy_agreement():
+    """A sweep's greedy agreement with plain decoding compares every round: a request
+    whose later round diverged counts as not identical, whichever engine diverged."""
+    from types import SimpleNamespace
+
+    from vllm_graft.bench.runner import greedy_agreement, outputs_of_every_round
+
+    chosen = [SimpleNamespace(name="plain"), SimpleNamespace(name="graft_auto")]
+    tokens = [[1, 2], [3, 4], [5, 6]]
+    outputs = {("plain", "d"): outputs_of_every_round("plain", tokens, [True, True, False]),
+               ("graft_auto", "d"): outputs_of_every_round("graft_auto", tokens,
+                                                           [True, False, False])}
+    agreement = greedy_agreement(chosen, outputs, {"d": ["a", "b", "c"]})
+    assert agreement["graft_auto"] == {"identical": 1, "total": 3}
+    assert agreement["plain"] == {"identical": 3, "total": 3}  # compared with itself
+    assert outputs_of_every_round("x", tokens, None) == tokens  # a single run
+
+
+def test_a_finished_engine_is_reused_only_for_the_same_code_and_files(tmp_path):
+    """An interrupted bench resumes with the engines that finished, where the job's text
+    is the same, and so are Graft's code and the files its spec names: a warm-up built
+    again at the same path gets a new run, not the old result."""
+    from vllm_graft.bench.runner import resume_stamp
+
+    warmup = tmp_path / "warmup.bin"
+    warmup.write_bytes(b"one")
+    spec = {"method": "graft", "graft": {"warmup": str(warmup)}}
+    first = resume_stamp(spec)
+    assert resume_stamp(spec) == first
+    warmup.write_bytes(b"two")
+    assert resume_stamp(spec) != first
+    assert resume_stamp(None) == resume_stamp({"method": "ngram"})
+
+
 def test_engine_warmup_prompts_are_cut_to_fit_not_dropped():
     from vllm_graft.bench.runner import engine_warmup_prompts
 

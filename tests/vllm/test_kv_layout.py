@@ -1,6 +1,6 @@
 """Addressing the paged KV cache (kernel-block splitting, slots) and the start-up
-refusals of what Graft cannot serve: KV sharing, KV connectors, KV offloading, and
-watermarking (vLLM's V2 runner only)."""
+refusals of what Graft cannot serve: KV sharing, KV connectors, KV offloading,
+watermarking (vLLM's V2 runner only) and chunked local attention."""
 
 from __future__ import annotations
 
@@ -90,6 +90,24 @@ def test_watermarking_is_refused_at_startup(tiny_models):
                       speculative_config=graft_spec(tiny_models.head, budget=8),
                       watermark_config={"key": 7})
     with pytest.raises(ValueError, match="does not support watermarking"):
+        args.create_engine_config()
+
+
+def test_chunked_local_attention_is_refused_at_startup(tiny_models, tmp_path):
+    """Llama 4's chunked local attention is applied by vLLM's metadata builder, which
+    tree rows bypass: refused before the engine is built."""
+    import json
+    import shutil
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    model = tmp_path / "chunked"
+    shutil.copytree(tiny_models.target, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "attention_chunk_size": 64}))
+    args = EngineArgs(model=str(model), dtype="float32", enforce_eager=True,
+                      speculative_config=graft_spec(tiny_models.head, budget=8))
+    with pytest.raises(ValueError, match="chunked local attention .*64"):
         args.create_engine_config()
 
 

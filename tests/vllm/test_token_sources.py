@@ -91,3 +91,14 @@ def test_generate_counts_the_timed_run_alone(tiny_models):
     assert result["metrics"]["spec_decode_num_drafts"] == len(records)
     assert result["metrics"]["spec_decode_num_accepted_tokens"] \
         == sum(len(record["accepted_rows"]) for record in records)
+
+
+def test_a_prompts_file_keeps_every_character_and_decodes_escapes(tmp_path):
+    """``generate --prompts FILE``: UTF-8 lines, backslash escapes decoded. Decoded as
+    Latin-1 bytes, "Résumé" came out "RÃ©sumÃ©", and the comparison with plain decoding
+    still agreed, on the garbled prompt."""
+    from vllm_graft.cli.generate import load_prompts
+
+    path = tmp_path / "prompts.txt"
+    path.write_text("Résumé 你好 “quoted”\\nnext line\n\n\\ttab \\u00e9\n", encoding="utf-8")
+    assert load_prompts(str(path)) == ["Résumé 你好 “quoted”\nnext line", "\ttab é"]

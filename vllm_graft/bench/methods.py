@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vllm_graft.core.config import PAPER_BUDGET
+
 
 @dataclass(frozen=True)
 class Method:
@@ -50,9 +52,17 @@ class Method:
         return {"method": "graft", "model": head, "graft": graft}
 
 
-def _one_mode(name: str, mode: str, note: str) -> Method:
+def _auto(budget: int) -> dict:
+    """Budget "auto" capped at the sweep's ``budget``: the calibration the bench fits at
+    that budget fits these rows too ("auto" alone is a cap of 60, and a calibration of
+    another budget stops the engine at start-up)."""
+    return {"budget": "auto"} if budget == PAPER_BUDGET else {"budget": budget,
+                                                              "auto_size": True}
+
+
+def _one_mode(name: str, mode: str, note: str, budget: int) -> Method:
     """Budget "auto" with the throughput guard held to one mode."""
-    return Method(name, "graft", graft={"variant": "graft", "budget": "auto",
+    return Method(name, "graft", graft={"variant": "graft", **_auto(budget),
                                         "guard_modes": [mode]},
                   uses_retrieval=mode != "plain", note=note)
 
@@ -93,7 +103,7 @@ def methods(budget: int, chain_tokens: int = 5, dflash_block: int = 8) -> dict[s
                                    uses_retrieval=True,
                                    note="pruning + matrix retrieval, no context copies"),
         "graft_auto": Method("graft_auto", "graft", graft={"variant": "graft",
-                                                           "budget": "auto"},
+                                                           **_auto(budget)},
                              uses_retrieval=True,
                              note="budget \"auto\": each step a sized tree, a copy chain "
                                   "or plain decoding, whichever measures fastest"),
@@ -120,11 +130,11 @@ def methods(budget: int, chain_tokens: int = 5, dflash_block: int = 8) -> dict[s
                                    f"{dflash_block} tokens"),
         "graft_plain": _one_mode("graft_plain", "plain",
                                  "diagnostic: Graft's runner with every step decoded "
-                                 "plainly (its fixed cost against plain)"),
+                                 "plainly (its fixed cost against plain)", budget),
         "graft_chain": _one_mode("graft_chain", "chain",
                                  "copy chains only: context copies continued by the "
-                                 "successor matrix, no drafter"),
+                                 "successor matrix, no drafter", budget),
         "graft_tree": _one_mode("graft_tree", "tree",
                                 "diagnostic: a hybrid tree every step, sized by budget "
-                                "\"auto\" (its tree mode alone)"),
+                                "\"auto\" (its tree mode alone)", budget),
     }

@@ -11,6 +11,7 @@ are judged by, and this machine's speed drifts more than the differences measure
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -223,6 +224,23 @@ def _worker_env() -> dict:
     return {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
+def resume_stamp(spec: dict | None) -> str:
+    """What a finished engine's result depends on besides its job's text: Graft's code
+    and the contents of the files its spec names (a job names files by path: a
+    retrained warm-up or an edited module at the same path would otherwise be served
+    the old result)."""
+    digest = hashlib.sha256()
+    package = Path(__file__).resolve().parents[1]
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode())
+        digest.update(path.read_bytes())
+    graft = (spec or {}).get("graft", {})
+    for key in ("warmup", "calibration"):
+        if isinstance(graft.get(key), str) and Path(graft[key]).is_file():
+            digest.update(Path(graft[key]).read_bytes())
+    return digest.hexdigest()
+
+
 def run_engine(config: BenchConfig, spec: dict | None, prompt_ids: dict[str, list],
                max_model_len: int, label: str) -> dict:
     """One method's engine in its own process (see :mod:`vllm_graft.bench.worker`)."""
@@ -230,11 +248,15 @@ def run_engine(config: BenchConfig, spec: dict | None, prompt_ids: dict[str, lis
     jobs.mkdir(parents=True, exist_ok=True)
     job, result, log = (jobs / f"{label}.{ext}" for ext in ("job.json", "result.json", "log"))
     description = json.dumps(engine_job(config, spec, prompt_ids, max_model_len))
-    # an interrupted run resumes: a finished engine with the very same job is reused
-    if result.is_file() and job.is_file() and job.read_text() == description:
+    stamp_file, stamp = jobs / f"{label}.stamp", resume_stamp(spec)
+    # an interrupted run resumes: a finished engine with the very same job, code and
+    # input files is reused
+    if result.is_file() and job.is_file() and job.read_text() == description \
+            and stamp_file.is_file() and stamp_file.read_text() == stamp:
         return json.loads(result.read_text())
     result.unlink(missing_ok=True)
     job.write_text(description)
+    stamp_file.write_text(stamp)
     with open(log, "w") as f:
         proc = subprocess.run([sys.executable, "-m", "vllm_graft.bench.worker", str(job),
                                str(result)], stdout=f, stderr=subprocess.STDOUT,
@@ -364,9 +386,10 @@ def run_engines_interleaved(config: BenchConfig, specs: dict[str, dict | None],
                 "round_prefill_ms": [run.get("prefill_ms") for run in runs[(label, dataset)]],
                 "round_guard_steps": [guard_steps(run["delta"])
                                       for run in runs[(label, dataset)]],
-                "rounds_identical": sum(
-                    all(run["tokens"][i] == tokens for run in later)
-                    for i, tokens in enumerate(first["tokens"]))}
+                "round_same": [all(run["tokens"][i] == tokens for run in later)
+                               for i, tokens in enumerate(first["tokens"])]}
+            datasets_out[dataset]["rounds_identical"] = sum(
+                datasets_out[dataset]["round_same"])
         out[label] = {"datasets": datasets_out, "wall_seconds": wall,
                       "warmup_seconds": statistics.median(warmups[label]),
                       "engine_starts": len(warmups[label])}
@@ -406,7 +429,8 @@ def run_methods(config: BenchConfig, prompt_ids: dict[str, list], method_list,
     for method, result in zip(method_list, results):
         for dataset, data in result["datasets"].items():
             tokens = data["tokens"]
-            outputs[(method.name, dataset)] = tokens
+            outputs[(method.name, dataset)] = outputs_of_every_round(
+                method.name, tokens, data.get("round_same"))
             row = summarize(method, data["delta"], sum(len(t) for t in tokens),
                             data["seconds"], config.chain_tokens)
             if data.get("steps"):
@@ -504,6 +528,16 @@ def run_bench(config: BenchConfig) -> dict:
         "ablations": ablations,
         "notes": notes,
     }
+
+
+def outputs_of_every_round(method: str, tokens: list, round_same: list[bool] | None) -> list:
+    """Each request's output as greedy agreement compares it: its first round's tokens
+    where every round repeated them, else a marker that equals no other output (a later
+    round that diverged fails the comparison with plain decoding, and the exit code)."""
+    if round_same is None:
+        return tokens
+    return [t if same else ("differed between rounds", method, i)
+            for i, (t, same) in enumerate(zip(tokens, round_same))]
 
 
 def greedy_agreement(chosen, outputs, prompt_sets) -> dict[str, dict[str, int]]:

@@ -162,14 +162,18 @@ def main(argv=None) -> int:
     warmup = args.warmup
     if warmup is None and args.warmup_rounds > 0:
         warmup = str(args.out / "warmup.bin")
-        if not Path(warmup).is_file():
+        if Path(warmup).is_file():
+            print(f"bench: reusing {warmup} (delete it to build it again)")
+        else:
             run_warmup(target, str(head), Path(warmup), rounds=args.warmup_rounds,
                        max_tokens=64 if args.quick else 256, cache_dir=cache,
                        budget=args.budget, dtype=args.dtype, extra_graft=extra)
     calibration = args.calibration
     if calibration is None and not args.no_calibration:
         calibration = str(args.out / "calibration.json")
-        if not Path(calibration).is_file():
+        if Path(calibration).is_file():
+            print(f"bench: reusing {calibration} (delete it to fit it again)")
+        else:
             run_calibration(target, str(head), Path(calibration), warmup=warmup, rounds=5,
                             max_tokens=256, cache_dir=cache, draft_cost=args.draft_cost,
                             budget=args.budget, dtype=args.dtype, extra_graft=extra)

@@ -95,10 +95,15 @@ def parse_args(argv):
 
 
 def load_prompts(path: str | None, chat: bool = False) -> list[str]:
+    """One prompt per non-blank line of the UTF-8 file at ``path``, its backslash escapes
+    (``\\n``, ``\\t``, ``\\u00e9``) decoded; other characters are kept as they are."""
     if path is None:
         return DEFAULT_CHAT_PROMPTS if chat else DEFAULT_PROMPTS
-    with open(path) as f:
-        return [line.rstrip("\n").encode().decode("unicode_escape") for line in f if line.strip()]
+    with open(path, encoding="utf-8") as f:
+        # unicode_escape reads bytes as Latin-1: every other character goes in as its
+        # own escape, so it comes out whole
+        return [line.rstrip("\n").encode("latin-1", "backslashreplace").decode("unicode_escape")
+                for line in f if line.strip()]
 
 
 def run(model, spec, prompts, args, record: bool = False) -> dict:

@@ -8,7 +8,7 @@ through the general-plugin entry point.
 
 | # | vLLM symbol | change |
 |---|---|---|
-| 1 | ``engine.arg_utils.EngineArgs.create_speculative_config`` | translate ``method: graft``; refuse KV transfer and watermarking |
+| 1 | ``engine.arg_utils.EngineArgs.create_speculative_config`` | translate ``method: graft``; refuse KV transfer, watermarking, chunked local attention |
 | 2 | ``engine.arg_utils.EngineArgs.add_cli_args`` | ``--speculative-config`` takes a file |
 | 2b | ``sampling_params.SamplingParams._validate_spec_decode`` | allow min_p, logit_bias; refuse thinking budgets; check Graft request fields (400) |
 | 2c | ``config.VllmConfig.use_v2_model_runner`` | Graft engines use the V1 runner |
@@ -101,6 +101,18 @@ def refuse_watermarking(engine_args) -> None:
                          "verification runs in the V1 runner")
 
 
+def refuse_chunked_local_attention(model_config) -> None:
+    """Chunked local attention (Llama 4's ``attention_chunk_size``) limits a query to
+    its chunk in vLLM's metadata builder, not in the attention implementation: tree rows
+    would see the whole prefix, and past the first chunk their logits differ from plain
+    decoding's."""
+    chunk = getattr(model_config, "attention_chunk_size", None)
+    if chunk:
+        raise ValueError(f"Graft does not support chunked local attention "
+                         f"(attention_chunk_size {chunk}): its tree rows attend to the "
+                         f"whole prefix")
+
+
 def refuse_kv_transfer(engine_args) -> None:
     """KV connectors and KV offloading save a step's K/V when the forward ends, before
     Graft moves the accepted tree path into place: they would store rejected rows."""
@@ -165,6 +177,7 @@ def _patch_engine_args() -> list[Patch]:
         if is_graft_spec(spec):
             refuse_kv_transfer(self)
             refuse_watermarking(self)
+            refuse_chunked_local_attention(target_model_config)
             eagle_spec, settings = translate_speculative_config(
                 spec, target_model=target_model_config.model,
                 target_vocab_size=target_model_config.get_vocab_size(),

@@ -313,9 +313,8 @@ def tree_attention_forward(original, impl, layer, query, key, value, kv_cache,
         plan.store.append(layer, key[index], value[index])
     out_view = output.view(output.shape[0], query.shape[1], -1)
     views = kernel_cache_views(read_paged_kv, kv_cache) \
-        if kernel_allowed(impl, layer, kv_cache) else None
-    if views is not None and not any(r.context_rows is not None and r.context_rows.numel()
-                                     for r in plan.requests):
+        if kernel_allowed(impl, layer, kv_cache) and kernel_serves(plan) else None
+    if views is not None:
         kernel_tree_rows(plan, query, views, impl.scale, out_view)
     else:
         sdpa_tree_rows(plan, layer.layer_name, query, key, value, kv_cache, read_paged_kv,
@@ -323,6 +322,19 @@ def tree_attention_forward(original, impl, layer, query, key, value, kv_cache,
     if not query.is_cuda:  # on a GPU this is part of the forward (timing it per layer
         plan.seconds += time.perf_counter() - start  # would synchronise every layer)
     return output
+
+
+def kernel_serves(plan: TreeAttentionPlan) -> bool:
+    """Whether the Triton kernel can compute every tree row of ``plan``. It reads the
+    forward's own rows from the paged cache, which a drafter's forward (``plan.store``:
+    its rows kept aside, none written to the cache) leaves stale, and it packs a tree's
+    mask into one word (at most ``MAX_TREE_NODES`` rows: budget 64 and more would stop
+    the engine there). Anything else takes the SDPA path."""
+    from vllm_graft.kernels.tree_mask import MAX_TREE_NODES
+
+    return plan.store is None and all(
+        r.num_rows <= MAX_TREE_NODES
+        and (r.context_rows is None or not r.context_rows.numel()) for r in plan.requests)
 
 
 def sdpa_tree_rows(plan: TreeAttentionPlan, layer_name: str, query, key, value, kv_cache,
