@@ -260,3 +260,22 @@ def test_budget_autos_speculative_steps_are_reported_round_by_round():
     assert "- graft_auto batch 8, mtbench: 40/54 0/64 3/63" in lines
     without = [row("plain", "a", 1.0, 1.0, batch=8), row("graft_auto", "a", 1.0, 1.0, batch=8)]
     assert "steps by round" not in "\n".join(batch_section(results([], without)))
+
+
+def test_calibrate_and_warmup_budget_defaults_to_the_drafts_kind():
+    """``--budget`` unset: 60 tree nodes, or 5 chain tokens for Graft-TAIL (a default of
+    60 made ``calibrate --variant tail`` fail with a bare validation error); too long a
+    chain is a usage error naming the flag."""
+    import argparse
+
+    from vllm_graft.cli.common import add_engine_arguments, engine_budget
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    unset = parser.parse_args(["--head", "h", "--out", "o"])
+    assert engine_budget(parser, unset, chains=False) == 60
+    assert engine_budget(parser, unset, chains=True) == 5
+    too_long = parser.parse_args(["--head", "h", "--out", "o", "--budget", "40"])
+    assert engine_budget(parser, too_long, chains=False) == 40
+    with pytest.raises(SystemExit):
+        engine_budget(parser, too_long, chains=True)

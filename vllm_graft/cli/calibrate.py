@@ -34,8 +34,8 @@ from pathlib import Path
 from vllm_graft.assets import datasets
 from vllm_graft.assets.pypi import default_cache_dir
 from vllm_graft.cli.common import (add_engine_arguments, corpus_sha256, counter_delta,
-                                   counters, drafter_graft_keys, engine, graft_config_dict,
-                                   render_prompts)
+                                   counters, drafter_graft_keys, engine, engine_budget,
+                                   graft_config_dict, render_prompts)
 
 
 def run_calibration(model: str, head: str, out: Path, *, warmup: str | None, rounds: int,
@@ -224,7 +224,9 @@ def main(argv=None) -> int:
     result = run_calibration(args.model, args.head, args.out, warmup=args.warmup,
                              rounds=args.rounds, max_tokens=args.max_tokens,
                              cache_dir=args.cache_dir or default_cache_dir(),
-                             draft_cost=args.draft_cost, budget=args.budget, dtype=args.dtype,
+                             draft_cost=args.draft_cost,
+                             budget=engine_budget(p, args, chains=args.variant == "tail"),
+                             dtype=args.dtype,
                              variant=args.variant,
                              extra_graft=drafter_graft_keys(args.drafter))
     print({"thresholds": result["thresholds"], **result["fit"]})

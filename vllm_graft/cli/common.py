@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from vllm_graft.assets.datasets import Prompt
+from vllm_graft.core.config import DEFAULT_TAIL_LENGTH, MAX_TAIL_LENGTH, PAPER_BUDGET
 
 
 def add_training_data_args(parser, artifact: str) -> None:
@@ -87,6 +88,17 @@ def counter_delta(after: dict, before: dict) -> dict:
     return out
 
 
+def engine_budget(parser, args, chains: bool) -> int:
+    """``--budget`` as given, or its default for trees or chains; a chain longer than
+    Graft-TAIL takes is a usage error naming the flag."""
+    if args.budget is None:
+        return DEFAULT_TAIL_LENGTH if chains else PAPER_BUDGET
+    if chains and args.budget > MAX_TAIL_LENGTH:
+        parser.error(f"--budget: Graft-TAIL chains take at most {MAX_TAIL_LENGTH} tokens, "
+                     f"got {args.budget}")
+    return args.budget
+
+
 def add_engine_arguments(parser) -> None:
     """The arguments every engine-driving tool takes after MODEL."""
     parser.add_argument("--head", required=True,
@@ -95,7 +107,9 @@ def add_engine_arguments(parser) -> None:
                         default="eagle3", help="what --head is: an EAGLE-3 head, an "
                         "ordinary draft model, or a DFlash block drafter (Graft-TAIL)")
     parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--budget", type=int, default=60)
+    parser.add_argument("--budget", type=int, default=None,
+                        help=f"tree nodes (default {PAPER_BUDGET}), or Graft-TAIL chain tokens "
+                             f"(default {DEFAULT_TAIL_LENGTH}, at most {MAX_TAIL_LENGTH})")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--cache-dir", type=Path, default=None,

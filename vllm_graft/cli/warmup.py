@@ -12,8 +12,8 @@ from pathlib import Path
 
 from vllm_graft.assets import datasets
 from vllm_graft.assets.pypi import default_cache_dir
-from vllm_graft.cli.common import (add_engine_arguments, corpus_sha256, engine,
-                                   drafter_graft_keys, graft_config_dict, render_prompts)
+from vllm_graft.cli.common import (add_engine_arguments, corpus_sha256, drafter_graft_keys,
+                                   engine, engine_budget, graft_config_dict, render_prompts)
 
 
 def run_warmup(model: str, head: str, out: Path, *, rounds: int, max_tokens: int,
@@ -59,7 +59,8 @@ def main(argv=None) -> int:
     cpu_runtime_defaults()
     report = run_warmup(args.model, args.head, args.out, rounds=args.rounds,
                         max_tokens=args.max_tokens, cache_dir=args.cache_dir or default_cache_dir(),
-                        budget=args.budget, dtype=args.dtype,
+                        budget=engine_budget(p, args, chains=args.drafter == "dflash"),
+                        dtype=args.dtype,
                         extra_graft=drafter_graft_keys(args.drafter))
     print(report)
     return 0
