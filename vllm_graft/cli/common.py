@@ -29,6 +29,14 @@ def add_training_data_args(parser, artifact: str) -> None:
     parser.add_argument("--cache-dir", type=Path, default=None)
 
 
+def training_data_settings(args) -> dict:
+    """What the trainers' cached answers and features depend on (a work directory of
+    either trainer serves the other)."""
+    return {"model": str(Path(args.model).resolve()), "prompts": args.prompts,
+            "prompt_offset": args.prompt_offset, "max_prompt_tokens": args.max_prompt_tokens,
+            "max_tokens": args.max_tokens, "dtype": args.dtype}
+
+
 def render_prompts(tokenizer, prompts: list[Prompt]):
     """Token prompts: chat prompts through the model's chat template, raw text as is."""
     from vllm.inputs import TokensPrompt

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from vllm_graft.assets import datasets
 from vllm_graft.assets.pypi import default_cache_dir
-from vllm_graft.cli.common import add_training_data_args
+from vllm_graft.cli.common import add_training_data_args, training_data_settings
 
 
 def main(argv=None) -> int:
@@ -62,13 +62,20 @@ def main(argv=None) -> int:
     import torch
 
     from vllm_graft.bench.runner import machine_description
-    from vllm_graft.training.data import extract_features, generate_answers, read_answers
+    from vllm_graft.training.data import (WorkDirError, check_work_settings, extract_features,
+                                          generate_answers, read_answers)
     from vllm_graft.training.dflash import (default_target_layer_ids, feature_layers,
                                             train_dflash)
 
     model = Path(args.model)
     work = args.work_dir or args.out.with_name(args.out.name + ".work")
     work.mkdir(parents=True, exist_ok=True)
+    try:
+        check_work_settings(work, training_data_settings(args))
+        # features are cached per chunk of answers, in folders named by their first
+        check_work_settings(work, {"chunk": args.chunk}, name="chunks.json")
+    except WorkDirError as error:
+        p.error(str(error))
     cache = args.cache_dir or default_cache_dir()
     target_layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
     ids = args.target_layer_ids or default_target_layer_ids(target_layers, args.target_layers)

@@ -19,12 +19,13 @@ from pathlib import Path
 
 from vllm_graft.assets import datasets
 from vllm_graft.assets.pypi import default_cache_dir
-from vllm_graft.cli.common import add_training_data_args
+from vllm_graft.cli.common import add_training_data_args, training_data_settings
 
 
 def main(argv=None) -> int:
     from vllm_graft.cli.main import cpu_runtime_defaults
-    from vllm_graft.training.data import (default_aux_layers, extract_features,
+    from vllm_graft.training.data import (WorkDirError, check_work_settings,
+                                          default_aux_layers, extract_features,
                                           generate_answers, read_answers)
     from vllm_graft.training.train import train_head
 
@@ -42,6 +43,10 @@ def main(argv=None) -> int:
     model = Path(args.model)
     work = args.work_dir or args.out.with_name(args.out.name + ".work")
     work.mkdir(parents=True, exist_ok=True)
+    try:
+        check_work_settings(work, training_data_settings(args))
+    except WorkDirError as error:
+        p.error(str(error))
     cache = args.cache_dir or default_cache_dir()
     prompts = datasets.sharegpt(cache, limit=args.prompts, offset=args.prompt_offset)
     answers = generate_answers(str(model), prompts, work / "answers.jsonl",

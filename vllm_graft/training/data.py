@@ -20,6 +20,31 @@ from tqdm import tqdm
 from vllm_graft.assets.datasets import Prompt
 
 
+class WorkDirError(ValueError):
+    """A work directory's cached data was made with other settings."""
+
+
+def check_work_settings(folder: Path, settings: dict, name: str = "settings.json") -> None:
+    """The cached answers and features in ``folder`` are reused only for the settings
+    that made them: the first run records ``settings`` in ``folder / name``; a later
+    run with others stops, naming the keys, instead of training on the old data (a
+    folder from before the record is taken as it is, and recorded)."""
+    record = folder / name
+    if record.is_file():
+        kept = json.loads(record.read_text())
+        changed = sorted(key for key in set(kept) | set(settings)
+                         if kept.get(key) != settings.get(key))
+        if changed:
+            differences = ", ".join(f"{key} {kept.get(key)!r} -> {settings.get(key)!r}"
+                                    for key in changed)
+            raise WorkDirError(f"work directory {folder} holds data made with other "
+                               f"settings ({differences}): delete it, or pass another "
+                               f"--work-dir")
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(settings, indent=1, sort_keys=True))
+
+
 def chat_prompt_ids(tokenizer, prompt: Prompt) -> list[int]:
     if prompt.chat and tokenizer.chat_template:
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}],
