@@ -378,7 +378,11 @@ def keep_plain_fastest(worker, trust_the_scout: bool) -> None:
     from vllm_graft.core.config import StepMode
 
     drafter = worker.model_runner.drafter
-    guard = ThroughputGuard(modes=(StepMode.CHAIN, StepMode.PLAIN), probe_share=1e-12)
+    # scout_new_batches off: a new batch would drop the seeded record, and the chains
+    # the scout runs would then be the guard's only measurement of them, as fast as
+    # they really are (a full run saw the guard pick one chain step of its own)
+    guard = ThroughputGuard(modes=(StepMode.CHAIN, StepMode.PLAIN), probe_share=1e-12,
+                            scout_new_batches=False)
     for bucket in (1, 2, 4, 8):
         guard.stats[(bucket, StepMode.CHAIN)] = _ModeStats(1e6, 1e6, 1e6, 1e6)
         guard.measured[(bucket, StepMode.CHAIN)] = 1
