@@ -378,11 +378,12 @@ def keep_plain_fastest(worker, trust_the_scout: bool) -> None:
     from vllm_graft.core.config import StepMode
 
     drafter = worker.model_runner.drafter
-    # scout_new_batches off: a new batch would drop the seeded record, and the chains
-    # the scout runs would then be the guard's only measurement of them, as fast as
-    # they really are (a full run saw the guard pick one chain step of its own)
+    # new batches leave the seeded record whole (scout_new_batches off, text_steps
+    # past its weight): dropped or shrunk to a few steps, the chains the scout runs
+    # would soon be the guard's only measurement of them, as fast as they really are
+    # (full runs saw the guard pick 1 and 13 chain steps of its own)
     guard = ThroughputGuard(modes=(StepMode.CHAIN, StepMode.PLAIN), probe_share=1e-12,
-                            scout_new_batches=False)
+                            scout_new_batches=False, text_steps=1e9)
     for bucket in (1, 2, 4, 8):
         guard.stats[(bucket, StepMode.CHAIN)] = _ModeStats(1e6, 1e6, 1e6, 1e6)
         guard.measured[(bucket, StepMode.CHAIN)] = 1
