@@ -618,15 +618,9 @@ def machine_description() -> dict:
 
     import torch
 
-    cpu = ""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu or platform.processor(), "cores": os.cpu_count(),
+    from vllm_graft.machine import cpu_model
+
+    return {"cpu": cpu_model() or platform.processor(), "cores": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__,
             "platform": platform.platform()}
 

@@ -15,6 +15,7 @@ import torch
 
 from vllm_graft.assets.pypi import default_cache_dir
 from vllm_graft.core.budget import CostModel
+from vllm_graft.machine import cpu_model
 from vllm_graft.vllm.timing import device_clock
 from vllm_graft.vllm.tp_agreement import agree, is_first_rank
 
@@ -48,14 +49,7 @@ def device_name(device: torch.device) -> str:
     and cores (a cache directory shared by machines must not mix them)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            model = next((line.split(":", 1)[1].strip() for line in cpuinfo
-                          if line.startswith("model name")), "")
-    except OSError:
-        pass
-    return f"cpu: {model or 'unknown'}, {os.cpu_count()} cores"
+    return f"cpu: {cpu_model() or 'unknown'}, {os.cpu_count()} cores"
 
 
 def profile_key(runner) -> dict[str, str]:

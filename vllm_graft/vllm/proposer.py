@@ -610,11 +610,10 @@ class GraftTreeDrafting:
         drafter's pass over such a request's prompt, the projection of its rows and
         their deferral would serve only trees, which it then never drafts (copy chains
         and plain decoding need no drafter)."""
-        follows = self.drafter_follows.get(req_state.req_id)
-        if follows is None:
-            follows = self.drafter_follows[req_state.req_id] = (
-                self.trees_in_reach and speculates_ever(req_state))
-        return follows
+        if req_state.req_id not in self.drafter_follows:
+            self.drafter_follows[req_state.req_id] = self._would_follow(
+                req_state, self.trees_in_reach)
+        return self.drafter_follows[req_state.req_id]
 
     def would_follow_any(self, req_states, trees_in_reach: bool) -> bool:
         """Whether the drafter follows (or, at first sight, would follow) any of
@@ -622,8 +621,10 @@ class GraftTreeDrafting:
         return any(self._would_follow(state, trees_in_reach) for state in req_states)
 
     def _would_follow(self, req_state, trees_in_reach: bool) -> bool:
+        """:meth:`follows` as it is, or at first sight would be, decided with
+        ``trees_in_reach``."""
         follows = self.drafter_follows.get(req_state.req_id)
-        if follows is None:  # first sight: as :meth:`follows` will decide
+        if follows is None:
             return trees_in_reach and speculates_ever(req_state)
         return follows
 

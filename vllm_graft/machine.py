@@ -1,0 +1,13 @@
+"""What machine this is, as results and caches name it."""
+
+from __future__ import annotations
+
+
+def cpu_model() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` ("" where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line.split(":", 1)[1].strip() for line in cpuinfo
+                         if line.startswith("model name")), "")
+    except OSError:
+        return ""
