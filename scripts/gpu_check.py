@@ -190,30 +190,52 @@ def dense_causal_ms(batch_size, context, rows, heads, kv_heads, head_dim, dtype,
 
 
 def tree_kernel_timing(device: torch.device, smoke: bool) -> dict:
+    """The kernel's tile variants in one launch (``num_splits=1``), then split-K with
+    several split counts and the automatic one (default tiles and 128-row tiles), against
+    dense causal FlashAttention: ``kernel_*`` is the best of all, ``auto_*`` the default
+    call's, ``single_launch_*`` the best unsplit variant."""
     from vllm_graft.kernels import paged_tree_attention_reference
-    from vllm_graft.kernels.tree_attention_triton import paged_tree_attention
+    from vllm_graft.kernels.tree_attention_triton import auto_num_splits, paged_tree_attention
     from vllm_graft.testing.paged_batches import paged_batch
 
     heads, kv_heads, head_dim, block_size, tree_nodes = (32, 8, 128, 16, 60)
     dtype = torch.bfloat16
     batches, contexts = ((1, 8, 32), (1024, 8192))
     variants = [(64, 64, 4, 2), (64, 32, 4, 2), (32, 64, 4, 2), (128, 64, 8, 2), (64, 64, 4, 3)]
+    split_variants, split_counts = [(64, 64, 4, 2), (128, 64, 8, 2)], (2, 4, 8, 16, 32)
     if smoke:
         heads, kv_heads, head_dim, tree_nodes = 4, 2, 64, 8
         batches, contexts, variants = (1, 2), (40,), variants[:1]
+        split_variants, split_counts = split_variants[:1], (2,)
     generator = torch.Generator().manual_seed(2)
     rows = []
     for batch_size in batches:
         for context in contexts:
             batch = paged_batch([(context, tree_nodes, True)] * batch_size, heads, kv_heads,
                                 head_dim, block_size, dtype, device, generator)
+
+            def time_it(bm, bn, w, s, k):
+                return median_ms(lambda: paged_tree_attention(
+                    **batch, block_m=bm, block_n=bn, num_warps=w, num_stages=s,
+                    num_splits=k, max_seq_len=context + tree_nodes), device)
+
             timings = {}
             for block_m, block_n, warps, stages in variants:
-                def run(bm=block_m, bn=block_n, w=warps, s=stages):
-                    paged_tree_attention(**batch, block_m=bm, block_n=bn, num_warps=w,
-                                         num_stages=s)
-                timings[f"m{block_m}_n{block_n}_w{warps}_s{stages}"] = median_ms(run, device)
+                name = f"m{block_m}_n{block_n}_w{warps}_s{stages}"
+                timings[name] = time_it(block_m, block_n, warps, stages, 1)
+            single = min(timings, key=timings.get)
+            auto_splits = {}
+            for block_m, block_n, warps, stages in split_variants:
+                name = f"m{block_m}_n{block_n}_w{warps}_s{stages}"
+                auto_splits[name] = auto_num_splits(
+                    batch["query"], batch["key_cache"], batch["block_table"],
+                    max_seq_len=context + tree_nodes, block_m=block_m, block_n=block_n)
+                for splits in sorted({*split_counts, auto_splits[name]} - {1}):
+                    timings[f"{name}_k{splits}"] = time_it(block_m, block_n, warps, stages,
+                                                           splits)
             best = min(timings, key=timings.get)
+            default = next(iter(auto_splits))  # the default tiles: what a plain call runs
+            auto = default + (f"_k{auto_splits[default]}" if auto_splits[default] > 1 else "")
             kv_bytes = (batch_size * (context + tree_nodes) * kv_heads * head_dim * 2
                         * dtype.itemsize)
             dense, dense_backend = dense_causal_ms(batch_size, context, tree_nodes, heads,
@@ -227,7 +249,15 @@ def tree_kernel_timing(device: torch.device, smoke: bool) -> dict:
                              kernel_kv_gb_per_s=kv_bytes / timings[best] / 1e6,
                              dense_causal_flash_ms=dense, dense_backend=dense_backend,
                              fallback_sdpa_ms=fallback,
-                             kernel_over_dense=timings[best] / dense))
+                             kernel_over_dense=timings[best] / dense,
+                             auto_splits=auto_splits, auto_variant=auto,
+                             auto_ms=timings[auto], auto_over_dense=timings[auto] / dense,
+                             single_launch_variant=single,
+                             single_launch_over_dense=timings[single] / dense))
+            print(f"gpu_check: tree_kernel_timing batch {batch_size} context {context}: "
+                  f"best {best} {timings[best] / dense:.2f}x dense, auto {auto} "
+                  f"{timings[auto] / dense:.2f}x, single launch {single} "
+                  f"{timings[single] / dense:.2f}x", flush=True)
     return dict(ok=True, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                 block_size=block_size, dtype="bfloat16", rows=rows)
 
