@@ -5,6 +5,7 @@
 // (check=True); the kernels never access memory outside the matrix either way.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -105,10 +106,31 @@ void successor_update_cuda(at::Tensor& successors, const at::Tensor& tokens,
 template <typename ScalarT, typename RowT>
 cudaError_t launch_topk_for(const at::Tensor& logits, const at::Tensor& rows,
                             int64_t k, at::Tensor& out, cudaStream_t stream) {
+  const int64_t num_rows = rows.size(0);
+  const int64_t vocab_size = logits.size(1);
+  int64_t splits = 1;  // from shapes and the SM count only: no device sync
+  if (num_rows > 0) {
+    const cudaError_t status = logits_topk_splits(num_rows, vocab_size, &splits);
+    if (status != cudaSuccess) return status;
+  }
+  // Split rows: each slice's top-k ([rows, splits, k] values and ids), and one
+  // ticket per row, zeroed here and left zeroed by the kernel.
+  using ValueT = typename LogitsTopkValue<ScalarT>::type;
+  at::Tensor split_values, split_indices, tickets;
+  if (splits > 1) {
+    split_values = at::empty({num_rows, splits, k},
+                             logits.options().dtype(c10::CppTypeToScalarType<ValueT>::value));
+    split_indices = at::empty({num_rows, splits, k}, logits.options().dtype(at::kLong));
+    tickets = at::zeros({num_rows}, logits.options().dtype(at::kInt));
+  }
   // at::Half / at::BFloat16 share the bit layout of __half / __nv_bfloat16
   return launch_logits_topk<ScalarT, RowT>(
       reinterpret_cast<const ScalarT*>(logits.const_data_ptr()), logits.size(0),
-      logits.size(1), logits.stride(0), rows.const_data_ptr<RowT>(), rows.size(0), k,
+      vocab_size, logits.stride(0), rows.const_data_ptr<RowT>(), num_rows, k, splits,
+      splits > 1 ? split_values.mutable_data_ptr<ValueT>() : nullptr,
+      splits > 1 ? split_indices.mutable_data_ptr<int64_t>() : nullptr,
+      splits > 1 ? reinterpret_cast<unsigned int*>(tickets.mutable_data_ptr<int32_t>())
+                 : nullptr,
       out.mutable_data_ptr<int64_t>(), stream);
 }
 
