@@ -25,7 +25,7 @@ from torch.utils.cpp_extension import (
 
 BUILD_CUDA_ENV = "VLLM_GRAFT_BUILD_CUDA"
 
-CPU_SOURCES = ["csrc/ops.cpp", "csrc/logits_topk.cpp"]
+CPU_SOURCES = ["csrc/ops.cpp", "csrc/logits_topk.cpp", "csrc/graft_step.cpp"]
 CUDA_SOURCES = ["csrc/ops_cuda.cpp", "csrc/kernels/successor_kernels.cu",
                 "csrc/kernels/topk_kernels.cu"]
 

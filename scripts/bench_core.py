@@ -1,7 +1,14 @@
 """Cost of one Graft step's bookkeeping, without the models, and its share of a step.
 
-Times, per decoding step and batch size, everything Graft adds around the two model
-passes: the draft tree build (with a drafter whose answers are precomputed, so only the
+:func:`graft_step` runs one whole bookkeeping step as the engine runs it on the fused
+path (:mod:`vllm_graft.core.fused`): the draft steps (with a drafter whose answers are
+precomputed), the tree finalize, the target's top-k over the tree rows, acceptance
+with the successor matrix's update, and the one copy of the packed result to the
+host. ``--count`` prints its dispatched ops and host reads (the drafter's own lookups
+excluded: they stand in for its forward), the proxy of its GPU cost.
+
+The ``compiled`` and ``reference`` rows time the pure-torch path instead (with the
+compiled successor ops, or their torch references): the draft tree build (with a drafter whose answers are precomputed, so only the
 tree bookkeeping is timed; retrieval, trie merge and flattening included) and the
 verification bookkeeping: one top-k pass over the target logits of every verified row
 (``topk_ms``, the compiled ``logits_topk``; ``torch_topk_ms`` is ``torch.topk`` over
@@ -34,12 +41,14 @@ import time
 
 import torch
 
+from vllm_graft.core import fused
 from vllm_graft.core.acceptance import SamplingBatch, accept_tree
 from vllm_graft.core.config import GraftConfig
 from vllm_graft.core.draft_tree import DraftStep
 from vllm_graft.core.graft import GraftTreeBuilder
 from vllm_graft.core.successor import SuccessorMatrix
 from vllm_graft.markdown import markdown_table
+from vllm_graft.testing.op_counter import OpCounter
 
 
 class BankDrafter:
@@ -101,18 +110,119 @@ def time_it(fn, repeats: int, device: torch.device = torch.device("cpu")) -> flo
 
 
 def build_inputs(batch: int, vocab: int, backend: str, cfg: GraftConfig,
-                 device: torch.device) -> tuple[GraftTreeBuilder, BankDrafter, torch.Tensor]:
+                 device: torch.device, fused_ops: bool = False
+                 ) -> tuple[GraftTreeBuilder, BankDrafter, torch.Tensor]:
     """A tree builder over a random full successor matrix, its drafter and ``batch``
-    roots, seeded by the batch size."""
+    roots, seeded by the batch size. ``fused_ops``: the builder runs the fused ops
+    (:func:`graft_step`), else the pure-torch path."""
     torch.manual_seed(batch)
     # unchecked, as the engine runs it (SuccessorMatrix: the checks sync a GPU)
     matrix = SuccessorMatrix.empty(vocab, cfg.successor_k, device=device, backend=backend,
                                    check=False)
     matrix.update_(torch.arange(vocab, device=device),
                    torch.randint(0, vocab, (vocab, cfg.successor_k), device=device))
-    builder = GraftTreeBuilder(cfg, matrix, device=device)
+    builder = GraftTreeBuilder(cfg, matrix, device=device, fused=fused_ops)
     drafter = BankDrafter(vocab, cfg.top_k, device=device)
     return builder, drafter, torch.randint(0, vocab, (batch,), device=device)
+
+
+def graft_step(builder: GraftTreeBuilder, drafter, roots: torch.Tensor,
+               logits: torch.Tensor, sampling: fused.SamplingTensors | None = None
+               ) -> torch.Tensor:
+    """One whole bookkeeping step on the fused path, as the engine runs it: the trees of
+    ``roots`` ([B]), their verification against ``logits`` ([B, budget + 1, V], row
+    ``r`` of request ``b`` the target's logits after tree row ``r``), greedy acceptance
+    (``sampling`` None) or the sampled one, the successor matrix's update, and the packed
+    result copied to the host (:data:`vllm_graft.core.fused.PACKED_COLUMNS`), which it
+    returns. No read of the device before that copy."""
+    buffers = builder.fused.build(roots, drafter, successors=builder.matrix.table)
+    flat = logits.view(-1, logits.shape[-1])
+    table, vocab = builder.matrix.table, builder.matrix.vocab_size
+    if sampling is None:
+        fused.accept_greedy(buffers, flat, table, vocab)
+    else:
+        fused.accept_sampled(buffers, flat, sampling, table, vocab)
+    return buffers.to_host()
+
+
+class Uncounted:
+    """The drafter, with its lookups hidden from an :class:`OpCounter`: they stand in for
+    the drafter's forward, which is not Graft's bookkeeping."""
+
+    def __init__(self, drafter: BankDrafter, counter: OpCounter):
+        self.drafter, self.counter = drafter, counter
+
+    def __call__(self, step: DraftStep):
+        ops, waits, names = self.counter.ops, self.counter.host_waits, dict(self.counter.names)
+        try:
+            return self.drafter(step)
+        finally:
+            self.counter.ops, self.counter.host_waits = ops, waits
+            self.counter.names = names
+
+
+def count_step(batch: int, vocab: int, cfg: GraftConfig, sampled: bool,
+               device: torch.device | str = "cpu") -> dict:
+    """The ops and host reads one :func:`graft_step` dispatches (after a warm-up step),
+    the drafter's excluded, and the ops by name."""
+    device = torch.device(device)
+    builder, drafter, roots = build_inputs(batch, vocab, "compiled", cfg, device,
+                                           fused_ops=True)
+    logits = step_logits(builder, drafter, roots, vocab)
+    sampling = sampling_tensors(batch, device) if sampled else None
+    graft_step(builder, drafter, roots, logits, sampling)
+    with OpCounter() as counter:
+        graft_step(builder, Uncounted(drafter, counter), roots, logits, sampling)
+    return {"batch": batch, "sampled": sampled, "ops": counter.ops,
+            "host_reads": counter.host_waits, "by_name": counter.names}
+
+
+def step_logits(builder: GraftTreeBuilder, drafter, roots: torch.Tensor,
+                vocab: int) -> torch.Tensor:
+    """Target logits for the trees the fused builder makes of ``roots`` (steered to
+    each row's first child, :func:`steer_logits`)."""
+    tree = builder.fused.build(roots, drafter, successors=builder.matrix.table).tree()
+    return steer_logits(tree, vocab, roots.shape[0], seed=roots.shape[0])
+
+
+def sampling_tensors(batch: int, device: torch.device) -> fused.SamplingTensors:
+    """Temperature 1 and top-p 0.9 for every request, as the fused acceptance takes it."""
+    return fused.SamplingTensors.of(SamplingBatch(
+        temperature=torch.ones(batch, device=device),
+        top_p=torch.full((batch,), 0.9, device=device)))
+
+
+def bench_fused(batch: int, vocab: int, repeats: int, cfg: GraftConfig,
+                device: torch.device | str = "cpu") -> dict:
+    """:func:`graft_step` timed whole (greedy and sampled), with its op counts."""
+    device = torch.device(device)
+    builder, drafter, roots = build_inputs(batch, vocab, "compiled", cfg, device,
+                                           fused_ops=True)
+    logits = step_logits(builder, drafter, roots, vocab)
+    sampling = sampling_tensors(batch, device)
+    buffers = builder.fused.build(roots, drafter, successors=builder.matrix.table)
+    row = {
+        "batch": batch, "backend": "fused", "device": device.type,
+        "tree_rows": int(buffers.tree_valid.sum()),
+        "build_ms": time_it(lambda: builder.fused.build(
+            roots, drafter, successors=builder.matrix.table), repeats, device),
+        "step_greedy_ms": time_it(lambda: graft_step(builder, drafter, roots, logits),
+                                  repeats, device),
+        "step_sampled_ms": time_it(lambda: graft_step(builder, drafter, roots, logits,
+                                                      sampling), repeats, device),
+    }
+    row["verify_greedy_ms"] = row["step_greedy_ms"] - row["build_ms"]
+    row["verify_sampled_ms"] = row["step_sampled_ms"] - row["build_ms"]
+    packed = graft_step(builder, drafter, roots, logits)
+    accepted = packed[:, buffers.columns["num_accepted"]].float()
+    row["mean_accepted"] = float(accepted.mean())
+    stage = packed[:, buffers.columns["stage"]]
+    row["pruned_share"] = float((stage < builder.full_stage).float().mean())
+    for sampled in (False, True):
+        counts = count_step(batch, vocab, cfg, sampled, device)
+        kind = "sampled" if sampled else "greedy"
+        row[f"ops_{kind}"], row[f"host_reads_{kind}"] = counts["ops"], counts["host_reads"]
+    return row
 
 
 def bench(batch: int, vocab: int, backend: str, repeats: int, cfg: GraftConfig,
@@ -221,13 +331,26 @@ def main() -> None:
                         help="JSON cost curve (a list of rows, or a GPU-check report with "
                              "verification_cost rows) to read the forward time from instead")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--count", action="store_true",
+                        help="only count the fused step's dispatched ops and host reads")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     cfg = GraftConfig(budget=args.budget)
-    rows = [bench(b, args.vocab, backend, args.repeats, cfg, device)
-            for b in args.batch for backend in ("compiled", "reference")]
+    if args.count:
+        counts = [count_step(b, args.vocab, cfg, sampled, device)
+                  for b in args.batch for sampled in (False, True)]
+        for row in counts:
+            print(f"batch {row['batch']:>3} {'sampled' if row['sampled'] else 'greedy ':>7}: "
+                  f"{row['ops']} ops, {row['host_reads']} host reads  {row['by_name']}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(counts, f, indent=2)
+        return
+    rows = [bench_fused(b, args.vocab, args.repeats, cfg, device) if backend == "fused"
+            else bench(b, args.vocab, backend, args.repeats, cfg, device)
+            for b in args.batch for backend in ("fused", "compiled", "reference")]
 
     forward_source = None
     if args.forward_profile:
@@ -258,13 +381,15 @@ def main() -> None:
     print()
     cols = ["batch", "backend", "tree_rows", "build_ms", "topk_ms", "torch_topk_ms",
             "verify_greedy_ms",
-            "verify_sampled_ms", "update_op_ms", "step_greedy_ms", "step_sampled_ms"]
+            "verify_sampled_ms", "update_op_ms", "step_greedy_ms", "step_sampled_ms",
+            "ops_greedy", "host_reads_greedy", "ops_sampled", "host_reads_sampled"]
     if forward_source:
         cols += ["forward_ms", "share_greedy", "share_sampled"]
     cols += ["mean_accepted", "pruned_share"]
     print("\n".join(markdown_table(cols, (
         [(f"{100 * r[c]:.1f} %" if c.startswith("share") else f"{r[c]:.2f}")
-         if isinstance(r[c], float) else str(r[c]) for c in cols] for r in rows))))
+         if isinstance(r.get(c), float) else str(r.get(c, "-")) for c in cols]
+        for r in rows))))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "forward": forward_source, "torch": torch.__version__,

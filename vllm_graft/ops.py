@@ -34,7 +34,9 @@ except ImportError as error:
         "and the ops must be rebuilt whenever torch changes)."
     ) from error
 
-__all__ = ["cuda_ops_available", "logits_topk", "successor_gather", "successor_update_"]
+__all__ = ["cuda_ops_available", "graft_accept_greedy", "graft_accept_sampled",
+           "graft_draft_step", "graft_tree_finalize", "logits_topk", "successor_gather",
+           "successor_update_"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -204,6 +206,158 @@ def _successor_update_fake(
     successors: torch.Tensor, tokens: torch.Tensor, next_tokens: torch.Tensor
 ) -> None:
     return None
+
+
+# ---- the fused Graft step (csrc/graft_step.cpp; CUDA: kernels/graft_step_triton.py) -----
+# One op per launch; every tensor an op writes is the caller's (preallocated buffers,
+# :class:`vllm_graft.core.fused.StepBuffers`), so a step is capturable in a CUDA graph.
+# The ops trust the values they are given (ids in range, trees parents-first): the
+# CPU kernels check what costs nothing there, the CUDA kernels check only shapes.
+
+
+def graft_draft_step(logprobs: torch.Tensor, tokens: torch.Tensor, thresholds: torch.Tensor,
+                     step: int, checkpoint: int, pool_tokens: torch.Tensor,
+                     pool_parents: torch.Tensor, pool_scores: torch.Tensor,
+                     frontier_ids: torch.Tensor, frontier_tokens: torch.Tensor,
+                     frontier_scores: torch.Tensor, lineage: torch.Tensor,
+                     going: torch.Tensor, stage: torch.Tensor, steps: torch.Tensor,
+                     confidence: torch.Tensor) -> None:
+    """One draft depth of every request's tree, in place (one launch).
+
+    Args:
+        logprobs / tokens: ``[B, W, k]`` the drafter's top-k log-probabilities and
+            token ids at each frontier node (``W`` = 1 at step 0, the root; ``k`` after).
+        thresholds: ``[n_checkpoints]`` float32 confidence thresholds.
+        step: the draft step (its children sit at depth ``step + 1``); step 0 resets
+            the state below.
+        checkpoint: the index of the threshold this step is judged by, -1 for none.
+        pool_tokens / pool_parents / pool_scores: ``[B, C]`` every drafted candidate
+            (``C = k + (D - 1) k^2``): token, parent slot (-1 = the root), path score.
+        frontier_ids / frontier_tokens / frontier_scores: ``[B, k]`` the next step's
+            nodes (pool slots, tokens with -1 for a stopped request, path scores).
+        lineage: ``[B, k, D]`` int64, each frontier node's ancestor at every depth
+            ``t >= 1`` as its index in depth ``t``'s frontier (-1 beyond).
+        going: ``[B]`` bool; stage / steps: ``[B]`` int64 (rows may be strided);
+            confidence: ``[B, D]`` float32 best-path confidence per step (NaN: not
+            drafted).
+    """
+    torch.ops.vllm_graft.graft_draft_step.default(
+        logprobs, tokens, thresholds, step, checkpoint, pool_tokens, pool_parents,
+        pool_scores, frontier_ids, frontier_tokens, frontier_scores, lineage, going, stage,
+        steps, confidence)
+
+
+def graft_tree_finalize(roots: torch.Tensor, pool_tokens: torch.Tensor,
+                        pool_parents: torch.Tensor, pool_scores: torch.Tensor,
+                        stage: torch.Tensor, keep_by_stage: torch.Tensor,
+                        retrieval_keep: torch.Tensor, successors: torch.Tensor,
+                        partitions: torch.Tensor, template_parents: torch.Tensor,
+                        template_ranks: torch.Tensor, template_scores: torch.Tensor,
+                        context_tokens: torch.Tensor, context_parents: torch.Tensor,
+                        context_depths: torch.Tensor, *, draft_top_k: int,
+                        draft_capacity: int, replace_below: float, replace_keep: int,
+                        spare: bool, fixed_shape: bool, vocab_size: int,
+                        out: dict[str, torch.Tensor]) -> None:
+    """Every request's hybrid tree, flattened parents-first into ``budget + 1`` rows
+    (one launch): the rules of :class:`vllm_graft.core.graft.GraftTreeBuilder` and
+    :func:`vllm_graft.core.hybrid.merge_and_flatten`.
+
+    Args:
+        roots: ``[B]`` int64 last accepted tokens.
+        pool_* / stage: the draft state of :func:`graft_draft_step` (``C = 0``: no
+            drafter); keep_by_stage: ``[S + 1]`` drafted nodes kept per stage.
+        retrieval_keep: ``[S + 1]`` template nodes used per stage (empty: no retrieval);
+            successors: ``[P * V, k]`` int32; partitions: ``[B]`` the matrix partition of
+            each request (-1: none), or empty for partition 0.
+        template_*: ``[T]`` the retrieval template (parents-first), its ranks and
+            node scores.
+        context_*: ``[B, n]`` nodes copied from each request's context (``n`` may be 0).
+        replace_below / replace_keep: fixed-shape trees replace unpruned drafted nodes
+            below this confidence, past the first ``replace_keep`` (0: never).
+        spare: add the drafter's spare candidates (fixed-shape ``graft`` trees);
+        fixed_shape: pad every tree to ``budget`` nodes.
+        out: the written tensors ``tree_tokens``, ``tree_parents``, ``tree_depths``
+            (``[B, R]`` int64), ``tree_valid`` (bool), ``tree_source`` (uint8),
+            ``tree_score`` (float32), ``num_nodes`` (``[B]``), ``ancestor_bits``
+            (``[B, R, ceil(R / 64)]`` int64, bit ``j`` of row ``i``: ``j`` is ``i`` or an
+            ancestor), ``learn_rows`` (``[B, R]`` the matrix row each row teaches, -1:
+            none) and ``stats`` (``[B, 8]``: drafted, retrieved, both, copied, padding,
+            replaced nodes, retrieval lookups, hits).
+    """
+    torch.ops.vllm_graft.graft_tree_finalize.default(
+        roots, pool_tokens, pool_parents, pool_scores, stage, keep_by_stage, retrieval_keep,
+        successors, partitions, template_parents, template_ranks, template_scores,
+        context_tokens, context_parents, context_depths, draft_top_k, draft_capacity,
+        replace_below, replace_keep, spare, fixed_shape, vocab_size,
+        *(out[name] for name in TREE_OUTPUTS))
+
+
+#: the tensors :func:`graft_tree_finalize` writes, in its schema's order
+TREE_OUTPUTS = ("tree_tokens", "tree_parents", "tree_depths", "tree_valid", "tree_source",
+                "tree_score", "num_nodes", "ancestor_bits", "learn_rows", "stats")
+#: the tensors the acceptance ops write, in their schemas' order
+ACCEPT_OUTPUTS = ("accepted_rows", "output_tokens", "num_accepted", "accepted_sources")
+
+
+def graft_accept_greedy(tree_tokens: torch.Tensor, tree_parents: torch.Tensor,
+                        tree_valid: torch.Tensor, tree_source: torch.Tensor,
+                        row_topk: torch.Tensor, learn_rows: torch.Tensor, vocab_size: int,
+                        successors: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
+    """Greedy acceptance of every tree and the successor-matrix update (one launch).
+
+    The walk follows, from the root, the child carrying the target's argmax
+    (``row_topk[b * R + r, 0]``); every row with ``learn_rows >= 0`` writes its top-k
+    into that matrix row, in flat (request, row) order (the last writer of a row wins).
+
+    Args:
+        tree_*: ``[B, R]`` the verified trees (tokens' rows may be strided).
+        row_topk: ``[B * R, k]`` int64 :func:`logits_topk` at every tree row.
+        out: ``accepted_rows`` ``[B, L]`` (tree rows of the accepted path, -1 after),
+            ``output_tokens`` ``[B, L + 1]`` (the accepted tokens and the bonus token),
+            ``num_accepted`` ``[B]``, ``accepted_sources`` ``[B, 5]`` (accepted nodes
+            copied, drafted, retrieved, both, padding); rows may be strided.
+    """
+    torch.ops.vllm_graft.graft_accept_greedy.default(
+        tree_tokens, tree_parents, tree_valid, tree_source, row_topk, learn_rows, vocab_size,
+        successors, *(out[name] for name in ACCEPT_OUTPUTS))
+
+
+def graft_accept_sampled(logits: torch.Tensor, logit_rows: torch.Tensor,
+                         tree_tokens: torch.Tensor, tree_parents: torch.Tensor,
+                         tree_valid: torch.Tensor, tree_source: torch.Tensor,
+                         temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                         uniforms: torch.Tensor, row_topk: torch.Tensor,
+                         learn_rows: torch.Tensor, vocab_size: int, successors: torch.Tensor,
+                         out: dict[str, torch.Tensor]) -> None:
+    """Lossless sampled acceptance of every tree and the same update (one launch).
+
+    At each node the target distribution is plain sampling's (temperature, top-k with
+    ties kept, top-p, softmax; requests with temperature <= 0 follow the argmax); the
+    distinct children are tried in row order, child ``x`` accepted when
+    ``uniforms[b, level, row] < r(x) / (residual + r(children from it on))``; when all
+    are rejected the residual is sampled with ``uniforms[b, level, R]``.
+
+    Args:
+        logits: ``[N, V]`` target logits; logit_rows: ``[B, R]`` the logits row of each
+            tree row.
+        temperature / top_p: ``[B]`` float32; top_k: ``[B]`` int64 (<= 0: off).
+        uniforms: ``[B, L + 1, R + 1]`` float32 in [0, 1).
+        the rest: as :func:`graft_accept_greedy`.
+    """
+    torch.ops.vllm_graft.graft_accept_sampled.default(
+        logits, logit_rows, tree_tokens, tree_parents, tree_valid, tree_source, temperature,
+        top_k, top_p, uniforms, row_topk, learn_rows, vocab_size, successors,
+        *(out[name] for name in ACCEPT_OUTPUTS))
+
+
+def _writes_in_place_fake(*args) -> None:
+    """The fake of an op that only writes its arguments: nothing to allocate."""
+    return None
+
+
+for _name in ("graft_draft_step", "graft_tree_finalize", "graft_accept_greedy",
+              "graft_accept_sampled"):
+    torch.library.register_fake(f"vllm_graft::{_name}")(_writes_in_place_fake)
 
 
 # Range checks. Inputs with a wrong dtype or rank are left alone here so the

@@ -189,8 +189,9 @@ def test_a_whole_build_waits_for_the_host_at_most_once_per_checkpoint_and_once_m
 @pytest.mark.parametrize("variant", ["graft", "dense_tree", "prune_only", "retrieval_only"])
 @pytest.mark.parametrize("tree_shape", ["dynamic", "fixed"])
 @pytest.mark.parametrize("with_context", [False, True])
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "fused"])
 def test_a_wait_free_build_is_the_same_tree_with_no_wait_for_the_host(variant, tree_shape,
-                                                                      with_context):
+                                                                      with_context, fused):
     """What a CUDA graph can capture: a wait-free builder (every request drafts to the
     full depth, the merge takes the depth bound the host knows) builds the very tree the
     waiting one does, context copies included, and reads nothing from the device; a
@@ -208,7 +209,7 @@ def test_a_wait_free_build_is_the_same_tree_with_no_wait_for_the_host(variant, t
     roots = torch.tensor([1, 2, 3, 1, 7])
     context = None
     if with_context:  # each request copies its tree's deepest path: merges at every depth
-        plain, _ = GraftTreeBuilder(cfg, matrix).build(roots, drafter)
+        plain, _ = GraftTreeBuilder(cfg, matrix, fused=fused).build(roots, drafter)
         width = 6
         tokens = torch.full((5, width), -1)
         for b in range(5):
@@ -220,8 +221,9 @@ def test_a_wait_free_build_is_the_same_tree_with_no_wait_for_the_host(variant, t
         assert int((tokens >= 0).sum(1).max()) >= 4
         context = (tokens, torch.arange(-1, width - 1).expand(5, -1),
                    torch.arange(1, width + 1).expand(5, -1))
-    waiting, waiting_stats = GraftTreeBuilder(cfg, matrix).build(roots, drafter, context)
-    builder = GraftTreeBuilder(cfg, matrix, wait_free=True)
+    waiting, waiting_stats = GraftTreeBuilder(cfg, matrix, fused=fused).build(roots, drafter,
+                                                                              context)
+    builder = GraftTreeBuilder(cfg, matrix, wait_free=True, fused=fused)
     with OpCounter() as counter:
         tree, stats = builder.build(roots, drafter, context)
     assert counter.host_waits == 0
@@ -273,7 +275,7 @@ def test_a_wait_free_greedy_step_runs_on_the_meta_device(variant):
     assert result.num_accepted.device == meta
     if variant != "retrieval_only":  # its build never drafts, so it never waited either
         with pytest.raises((RuntimeError, NotImplementedError)):
-            GraftTreeBuilder(cfg, matrix, device=meta).build(roots, drafter)
+            GraftTreeBuilder(cfg, matrix, device=meta, fused=False).build(roots, drafter)
 
 
 def test_the_depth_bound_holds_a_tail_chain_and_a_walk_refuses_a_bound_too_small():

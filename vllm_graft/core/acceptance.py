@@ -241,7 +241,7 @@ def accept_tree(tree: HybridTree, target_logits: torch.Tensor, params: SamplingB
                 probs_fn: ProbsFn | None = None,
                 argmax_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
                 row_tokens: torch.Tensor | None = None,
-                ) -> AcceptanceResult:
+                uniforms: torch.Tensor | None = None) -> AcceptanceResult:
     """Walk every request's tree with the explicit rule of the module docstring.
 
     target_logits: [B, N+1, V], row i = target logits after the path to tree row i.
@@ -250,6 +250,9 @@ def accept_tree(tree: HybridTree, target_logits: torch.Tensor, params: SamplingB
     row_tokens: [B, N+1] the target's argmax at every valid row, when the caller has it
     (column 0 of :func:`vllm_graft.ops.logits_topk`); an all-greedy batch without an
     ``argmax_fn`` then walks with :func:`greedy_walk` and reads no logits here.
+    uniforms: [B, levels, N+2] the random numbers of every request's walk, drawn before
+    it (level ``l`` of request ``b`` uses ``uniforms[b, l]``: one per row, then the
+    residual's), as the fused acceptance takes them; default: drawn level by level.
     """
     batch, rows, _ = target_logits.shape
     if tree.tokens.shape != (batch, rows):
@@ -277,8 +280,9 @@ def accept_tree(tree: HybridTree, target_logits: torch.Tensor, params: SamplingB
         if bool(s.any()):
             children = (tree.parents[idx[s]] == cur[s, None]) & tree.valid[idx[s]]
             child_tokens = tree.tokens[idx[s]].clamp(min=0)
+            drawn = () if uniforms is None else (uniforms[idx[s], step, :rows + 1],)
             chosen, residual = _sample_level(probs_fn(logits[s], idx[s]), children,
-                                             child_tokens, idx[s], params)
+                                             child_tokens, idx[s], params, *drawn)
             emitted[s] = torch.where(
                 chosen >= 0, child_tokens.gather(1, chosen.clamp(min=0).unsqueeze(1)).squeeze(1),
                 residual)
@@ -308,7 +312,8 @@ def tree_row_topk(tree: HybridTree, target_logits: torch.Tensor, k: int,
 
 
 def _sample_level(probs: torch.Tensor, children: torch.Tensor, child_tokens: torch.Tensor,
-                  rows: torch.Tensor, params: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+                  rows: torch.Tensor, params: SamplingBatch,
+                  uniforms: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One level of the multi-draft rule for A sampled requests.
 
     probs [A, V]; children [A, N+1] bool (which rows are children of the current node;
@@ -328,7 +333,8 @@ def _sample_level(probs: torch.Tensor, children: torch.Tensor, child_tokens: tor
     mass_from_j = residual_mass + r_child.flip(1).cumsum(1).flip(1)
     accept_prob = torch.where(children, r_child / mass_from_j.clamp(min=1e-300), 0.0)
 
-    u = _uniforms(rows, width + 1, params, probs.device).double()
+    u = (_uniforms(rows, width + 1, params, probs.device) if uniforms is None
+         else uniforms.to(probs.device)).double()
     accepted = (u[:, :width] < accept_prob) & children
     chosen = torch.where(accepted.any(1), accepted.to(torch.uint8).argmax(1), -1)
 

@@ -55,6 +55,7 @@ import torch
 from vllm_graft.core.acceptance import AcceptanceResult, tree_row_topk
 from vllm_graft.core.config import GraftConfig, TreeShape, Variant, resolve_tree_shape
 from vllm_graft.core.draft_tree import DraftTree, DraftTreeBuilder, Drafter
+from vllm_graft.core.fused import STATS_COLUMNS, FusedTreeBuild, TreeRecipe
 from vllm_graft.core.hybrid import (SOURCE_BOTH, SOURCE_CONTEXT, SOURCE_DRAFT, SOURCE_PAD,
                                     SOURCE_RETRIEVED, HybridTree, merge_and_flatten,
                                     pad_to_budget)
@@ -106,13 +107,18 @@ class GraftTreeBuilder:
     CUDA graph can capture): the draft tree keeps every request to the full depth
     (:meth:`DraftTreeBuilder.build`) and the merge takes a depth bound known from the
     parts' shapes, not read from their depths. The same trees, for more drafter rows.
+
+    fused: build with the fused ops (:mod:`vllm_graft.core.fused`: one op per draft
+    depth and one for the rest) rather than the pure-torch path, which stays the
+    reference; default: with the compiled ops backend, for tree variants. The trees
+    are the same (``tests/core/test_fused.py``).
     """
 
     def __init__(self, config: GraftConfig, matrix: SuccessorMatrix,
                  thresholds: tuple[float, ...] | None = None,
                  device: torch.device | str = "cpu",
                  tree_shape: TreeShape | str | None = None, score_nodes: bool = False,
-                 wait_free: bool = False):
+                 wait_free: bool = False, fused: bool | None = None):
         self.config = config
         self.wait_free = wait_free
         self.score_nodes = score_nodes
@@ -135,6 +141,7 @@ class GraftTreeBuilder:
             self.replace_keep = int(config.draft_keep[-1])
         self.drafter_tree = None
         self.tail_drafter = None
+        self.fused = None
         if variant.chains:  # Graft-TAIL: no tree drafting, no template
             self.tail_drafter = TailChainDrafter(
                 config.budget, step_thresholds(config.checkpoints, tuple(self.thresholds),
@@ -166,6 +173,46 @@ class GraftTreeBuilder:
                 max_depth=config.retrieval_depth, max_width=config.retrieval_width)
             self.expander = TemplateExpander(template, self.device)
             self.retrieval_scores = rank_score(torch.tensor(template.ranks, device=self.device))
+        if fused is None:
+            fused = config.ops_backend == "compiled"
+        self.fused = FusedTreeBuild(self._recipe(), self.device) if fused else None
+
+    @property
+    def context_width(self) -> int:
+        """How wide the context parts the engine passes are (``graft.context.max_nodes``,
+        0 without context): the depth bound of fused acceptance assumes no wider."""
+        config = self.config
+        return config.context_settings.max_nodes if config.uses_context else 0
+
+    def _recipe(self) -> TreeRecipe:
+        """This builder's settings as the fused ops take them."""
+        config, device = self.config, self.device
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        draft = self.drafter_tree
+        template = self.expander.template if self.expander is not None else None
+        return TreeRecipe(
+            budget=config.budget,
+            top_k=config.top_k if draft is not None else 0,
+            max_depth=config.max_depth if draft is not None else 0,
+            checkpoint_steps=tuple(draft.checkpoint_index) if draft is not None else (),
+            thresholds=draft.thresholds if draft is not None
+            else torch.empty(0, device=device),
+            keep_by_stage=draft.keep_by_stage if draft is not None else empty,
+            draft_capacity=draft.capacity if draft is not None else 0,
+            retrieval_keep=self.retrieval_keep if template is not None else empty,
+            template_parents=torch.tensor(template.parents, dtype=torch.long,
+                                          device=device) if template else empty,
+            template_ranks=torch.tensor(template.ranks, dtype=torch.long,
+                                        device=device) if template else empty,
+            template_scores=self.retrieval_scores.float() if template is not None
+            else torch.empty(0, device=device),
+            replace_below=self.replace_below or 0.0,
+            replace_keep=self.replace_keep if self.replace_below is not None else 0,
+            spare=self.fixed_shape and config.variant is Variant.GRAFT,
+            fixed_shape=self.fixed_shape,
+            vocab_size=self.matrix.vocab_size,
+            successor_k=self.matrix.k,
+            levels=self.depth_bound(self.context_width))
 
     @property
     def full_stage(self) -> int:
@@ -191,6 +238,8 @@ class GraftTreeBuilder:
         root_tokens = root_tokens.to(self.device).long()
         if self.tail_drafter is not None:
             return self._build_tail(root_tokens, drafter, matrix)
+        if self.fused is not None:
+            return self._build_fused(root_tokens, drafter, context, partitions)
         parts = []
         if context is not None:
             tokens, parents, depths = (part.to(self.device) for part in context)
@@ -237,6 +286,39 @@ class GraftTreeBuilder:
         if self.fixed_shape:
             tree = pad_to_budget(tree, self.matrix.vocab_size)
         return tree, self._stats(tree, stage, steps, lookups, hits, confidence, replaced)
+
+    def _build_fused(self, roots: torch.Tensor, drafter: Drafter | None, context,
+                     partitions: torch.Tensor | None) -> tuple[HybridTree, BuildStats]:
+        """:meth:`build` with the fused ops; the tree and stats are copies of the
+        step buffers, which the next build overwrites."""
+        if self.drafter_tree is not None and drafter is None:
+            raise ValueError(f"variant {self.config.variant.value!r} needs a drafter")
+        if context is not None:
+            context = tuple(part.to(self.device).long().contiguous() for part in context)
+        if partitions is not None:
+            partitions = partitions.to(self.device).long().contiguous()
+        buffers = self.fused.build(roots.contiguous(), drafter, context, partitions,
+                                   self.matrix.table, compact=not self.wait_free)
+        tree = buffers.tree(with_score=self.score_nodes)
+        tree = HybridTree(**{f: None if getattr(tree, f) is None else getattr(tree, f).clone()
+                             for f in ("tokens", "parents", "depths", "valid", "source",
+                                       "num_nodes", "score")})
+        return tree, self._fused_stats(buffers)
+
+    def _fused_stats(self, buffers) -> BuildStats:
+        """The :class:`BuildStats` of a fused build (copies)."""
+        batch = buffers.stats.shape[0]
+        counts = dict(zip(STATS_COLUMNS, buffers.stats.clone().unbind(1)))
+        if self.drafter_tree is not None:
+            stage = buffers.stage.clone() if self.config.variant.prunes else \
+                torch.full((batch,), self.full_stage, dtype=torch.long, device=self.device)
+            steps, confidence = buffers.steps.clone(), buffers.confidence.clone()
+        else:
+            stage = torch.full((batch,), -1, dtype=torch.long, device=self.device)
+            steps = torch.zeros(batch, dtype=torch.long, device=self.device)
+            confidence = torch.full((batch, self.config.max_depth), float("nan"),
+                                    device=self.device)
+        return BuildStats(stage=stage, draft_steps=steps, confidence=confidence, **counts)
 
     def depth_bound(self, context_width: int = 0) -> int:
         """The deepest node a tree of this builder can hold, from what the host knows:
