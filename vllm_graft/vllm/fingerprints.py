@@ -514,9 +514,9 @@ FINGERPRINTS: tuple[Fingerprint, ...] = (
         'vllm.v1.worker.gpu_model_runner', 'GPUModelRunner._prepare_inputs',
         patched_by='graft.runner',
         why=('wrapped; Graft rewrites the positions it computed, after it derived slots '
-             'from linear positions, and reads query_start_loc; on steps without drafts '
-             'it hides speculative_config, which the body reads once, to choose the '
-             'plain path'),
+             'from linear positions, and reads query_start_loc; on steps without drafts it '
+             'hides speculative_config, which the body reads once, to choose the plain '
+             'path'),
         params=('self', 'scheduler_output', 'num_scheduled_tokens'),
         source_sha256='3fc170f920f69afbbb8ab127a0c8ad6997b3d0aec2236cce4d4779e2029d9857',
     ),
@@ -573,6 +573,13 @@ FINGERPRINTS: tuple[Fingerprint, ...] = (
         patched_by='graft.openai_user.CompletionRequest',
         why='wrapped: the user field becomes the tenant of graft.isolation',
         params=('self', 'max_tokens', 'default_sampling_params'),
+    ),
+    Fingerprint(
+        'vllm.v1.worker.gpu_model_runner', 'GPUModelRunner._dummy_sampler_run',
+        patched_by='graft.runner',
+        why=("wrapped: after vLLM's sampler warm-up in the start-up profile, a step of "
+             "trees (every tree row's logits) is profiled too"),
+        params=('self', 'hidden_states'),
     ),
     Fingerprint(
         'vllm.v1.worker.gpu_model_runner', 'GPUModelRunner.shutdown',

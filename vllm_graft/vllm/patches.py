@@ -25,6 +25,7 @@ through the general-plugin entry point.
 | 11 | ``GPUModelRunner.sample_tokens`` | ship Graft counters with the output; periodic successor-state save and heap trim |
 | 11b | ``GPUModelRunner.shutdown`` | save the successor state (``graft.successor_state``) |
 | 11c | ``v1.engine.core.EngineCoreProc._handle_shutdown`` | save the successor state when a shutdown is requested, before draining |
+| 11d | ``GPUModelRunner._dummy_sampler_run`` | the start-up memory profile includes a full step of trees (logits of every tree row, their top-k, the fused step's buffers) |
 | 12 | ``v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward`` (on GPUs: the ``forward`` of the attention implementation in use, patched when the KV cache is created) | tree mask |
 | 13 | ``v1.core.sched.scheduler.Scheduler.update_from_output`` / ``make_stats`` | sum counters |
 | 14 | ``v1.engine.EngineCoreOutputs.__annotations__`` (``scheduler_stats``) | carry counters |
@@ -462,6 +463,12 @@ def _patch_runner() -> list[Patch]:
                 self.drafter.state_keeper.maybe_save()
         return output
 
+    def _dummy_sampler_run(self, hidden_states, *args, **kwargs):
+        out = call_original(cls, "_dummy_sampler_run")(self, hidden_states, *args, **kwargs)
+        if on(self):
+            graft_runner.profile_tree_step(self, hidden_states)
+        return out
+
     def shutdown(self, *args, **kwargs):
         if on(self) and self.drafter.state_keeper is not None:
             try:
@@ -488,7 +495,7 @@ def _patch_runner() -> list[Patch]:
 
     names = ["__init__", "initialize_kv_cache", "_update_states", "_prepare_inputs",
              "_model_forward", "_sample", "_input_fits_in_drafter", "propose_draft_token_ids",
-             "sample_tokens", "shutdown"]
+             "sample_tokens", "_dummy_sampler_run", "shutdown"]
     local = locals()
     return [Patch("graft.runner", cls, {name: local[name] for name in names},
                   must_exist=frozenset(names)),

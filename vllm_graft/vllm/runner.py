@@ -34,6 +34,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from vllm.v1.outputs import SamplerOutput
 
+from vllm_graft import ops
 from vllm_graft.core.acceptance import (AcceptanceResult, greedy_chain_walk,
                                         greedy_chain_walk_lists, greedy_walk,
                                         walk_tree)
@@ -255,6 +256,7 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
     host_tree = _batch_trees(trees, batch)
     tree = host_tree.to(device)
     row_topk = None
+    learned = False  # whether the acceptance taught the matrix already
     if argmax_is_the_sample(sampling_metadata):
         rows = starts.unsqueeze(1) + torch.arange(tree.tokens.shape[1], device=device)
         rows = torch.where(tree.valid, rows, -1).reshape(-1)
@@ -264,9 +266,14 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
         # plain decoding reads each request's one row too: that share is not Graft's
         level_zero_seconds = (device_clock(device) - pass_start) * batch \
             / max(int(host_tree.valid.sum()), 1)
-        # without a tree attention plan every tree of the step is a chain
-        walk = greedy_chain_walk if step is None or step.plan is None else greedy_walk
-        result = walk(tree, row_topk[..., 0])
+        if runner.drafter.tree_builder.fused is not None:  # the compiled ops
+            result = _accept_and_learn(runner, tree, host_tree, row_topk,
+                                       spec_decode_metadata, starts, trees)
+            learned = True
+        else:
+            # without a tree attention plan every tree of the step is a chain
+            walk = greedy_chain_walk if step is None or step.plan is None else greedy_walk
+            result = walk(tree, row_topk[..., 0])
         logprobs = None
         stats.counts["one_pass_verifications"] += 1
     else:
@@ -288,7 +295,7 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
             for t in trees:
                 count = int(host.num_accepted[t.batch_row])
                 observer(t, host.accepted_rows[t.batch_row, :count].tolist())
-    if runner.drafter.mode is not StepMode.PLAIN:  # the guard's plain mode learns nothing
+    if runner.drafter.mode is not StepMode.PLAIN and not learned:
         _learn(runner, logits, spec_decode_metadata, starts, trees, row_topk)
     if step is not None and step.plan is not None:
         stats.add_seconds("tree_attention", step.plan.seconds)
@@ -441,6 +448,50 @@ def _stack_levels(levels: list, width: int):
 
     return LogprobsTensors(stack("logprob_token_ids"), stack("logprobs"),
                            stack("selected_token_ranks"))
+
+
+def _accept_and_learn(runner, tree: HybridTree, host_tree: HybridTree, row_topk: torch.Tensor,
+                      spec_decode_metadata, starts: torch.Tensor,
+                      trees: list[VerifiedTree]) -> AcceptanceResult:
+    """The greedy walk of every request's tree and :func:`_learn`'s lesson in one op
+    (:func:`vllm_graft.ops.graft_accept_greedy`), from the target's top-k at the tree
+    rows (``row_topk`` [B, rows, k])."""
+    batch, rows = tree.tokens.shape
+    device = tree.tokens.device
+    levels = host_tree.max_depth
+    out = {"accepted_rows": torch.empty((batch, levels), dtype=torch.long, device=device),
+           "output_tokens": torch.empty((batch, levels + 1), dtype=torch.long, device=device),
+           "num_accepted": torch.empty(batch, dtype=torch.long, device=device),
+           "accepted_sources": torch.empty((batch, 5), dtype=torch.long, device=device)}
+    matrix = runner.drafter.matrix
+    ops.graft_accept_greedy(
+        tree.tokens, tree.parents, tree.valid, tree.source, row_topk.view(batch * rows, -1),
+        _learned_rows(runner, host_tree, spec_decode_metadata, starts, trees),
+        matrix.vocab_size, matrix.table, out)
+    return AcceptanceResult(out["accepted_rows"], out["output_tokens"], out["num_accepted"])
+
+
+def _learned_rows(runner, host_tree: HybridTree, spec_decode_metadata, starts: torch.Tensor,
+                  trees: list[VerifiedTree]) -> torch.Tensor:
+    """``[B, rows]`` the matrix row each verified row teaches (-1: none), as
+    :func:`_learn` teaches them: every row of each tree but padding, and the sampled row
+    of every other request; nothing in the guard's plain mode."""
+    batch, rows = host_tree.tokens.shape
+    device = starts.device
+    if runner.drafter.mode is StepMode.PLAIN:
+        return torch.full((batch, rows), -1, dtype=torch.long, device=device)
+    tokens = torch.where(host_tree.valid & (host_tree.source != SOURCE_PAD),
+                         host_tree.tokens, -1).to(device)
+    with_tree = {t.batch_row for t in trees}
+    plain = [b for b in range(batch) if b not in with_tree]
+    if plain:
+        index = torch.tensor(plain, dtype=torch.long, device=device)
+        logits_rows = spec_decode_metadata.logits_indices[starts[index]]
+        tokens[index, 0] = runner.input_ids.gpu[logits_rows].long()
+    partitions = runner.drafter.partitions(runner, runner.input_batch.req_ids[:batch])
+    if partitions is None:
+        return tokens
+    return runner.drafter.matrix.partition_rows(tokens, partitions.unsqueeze(1))
 
 
 def _learn(runner, logits, spec_decode_metadata, starts, trees, row_topk=None) -> None:
@@ -653,6 +704,39 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
         predicted = choice.expected_tokens - choice.nodes_per_request.numel()
         stats.counts["auto_predicted_accepted_milli"] += int(round(predicted * 1000))
     return drafts
+
+
+def profile_tree_step(runner, hidden_states: torch.Tensor) -> dict[str, int]:
+    """A full verification step of trees in vLLM's start-up profile run, so the KV cache
+    is sized around what serving trees needs besides it: the target's logits at every
+    row a step of trees can verify (``max_num_seqs`` trees of ``budget + 1`` rows, at
+    most ``max_num_batched_tokens``), their top-k, and the fused step's buffers for
+    ``max_num_seqs`` requests (allocated here and kept). Returns, and keeps as
+    ``runner._graft_profile``, the rows and bytes it allocated."""
+    drafter: GraftProposer = runner.drafter
+    config = drafter.settings.config
+    max_seqs = runner.scheduler_config.max_num_seqs
+    rows = min(runner.scheduler_config.max_num_batched_tokens, max_seqs * (config.budget + 1))
+    hidden = torch.rand((rows, hidden_states.shape[-1]), dtype=hidden_states.dtype,
+                        device=hidden_states.device)
+    logits = runner.model.compute_logits(hidden)
+    top = drafter.matrix.target_topk(logits)
+    buffer_bytes = 0
+    fused = drafter.tree_builder.fused
+    if fused is not None:
+        buffers = fused.reserve(max_seqs)
+        buffer_bytes = sum(value.numel() * value.element_size()
+                           for value in vars(buffers).values()
+                           if isinstance(value, torch.Tensor))
+    profile = {"rows": rows, "logits_bytes": logits.numel() * logits.element_size(),
+               "topk_bytes": top.numel() * top.element_size(), "buffer_bytes": buffer_bytes}
+    runner._graft_profile = profile
+    logger.info("Graft: profiled a step of trees at %d requests: %d verified rows, logits "
+                "%.1f MiB, top-k %.1f MiB, step buffers %.1f MiB", max_seqs, rows,
+                profile["logits_bytes"] / 2**20, profile["topk_bytes"] / 2**20,
+                buffer_bytes / 2**20)
+    del hidden, logits, top
+    return profile
 
 
 def propose_with_blocks(runner, sampled_token_ids, propose_blocks) -> list[list[int]]:
