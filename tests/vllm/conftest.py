@@ -89,10 +89,11 @@ def assert_greedy_identical(llm, prompts: list[str], expected: list[list[int]],
         assert actual == plain, f"prompt {prompt!r} diverged"
 
 
-def biased_walk(tree, sample_level):
-    """A tree walk that sometimes accepts the first child without the target agreeing
-    (drafts over-represented, the bias vLLM 0.32's chain sampler shows on CPU): the
-    negative control every sampling-distribution test must catch."""
+def biased_walk(tree, sample_level, rate: float = 0.15):
+    """A tree walk that sometimes (at a share ``rate`` of the levels) accepts the first
+    child without the target agreeing (drafts over-represented, the bias vLLM 0.32's
+    chain sampler shows on CPU): the negative control every sampling-distribution test
+    must catch."""
     import torch
 
     from vllm_graft.core.acceptance import walk_tree
@@ -102,7 +103,7 @@ def biased_walk(tree, sample_level):
         children = (tree.parents[rows] == current[:, None]) & tree.valid[rows]
         first = torch.where(children.any(1), tree.tokens[rows].gather(
             1, children.to(torch.uint8).argmax(1, keepdim=True)).squeeze(1), tokens)
-        cheat = torch.rand(rows.shape) < 0.15
+        cheat = torch.rand(rows.shape) < rate
         return torch.where(cheat, first, tokens)
     return walk_tree(tree, biased)
 
