@@ -4,7 +4,10 @@
 #      compare the CUDA kernels with the torch reference on random inputs;
 #   2. scripts/gpu_check.py: the Triton tree-attention kernel against the SDPA reference
 #      (fp16/bf16/fp32) and its timing against dense causal FlashAttention, Graft's step
-#      bookkeeping at batch 1/8/32 (vocab 151,936), and the verification cost curve of a
+#      bookkeeping at batch 1/8/32 (vocab 151,936; the fused step and the torch path), a
+#      whole decoding step of a Qwen3-8B-shaped target and EAGLE-3 head in CUDA graphs
+#      beside plain decoding and EAGLE-3 chains (tokens/s projected with the committed
+#      CPU results' accepted tokens), and the verification cost curve of a
 #      Qwen3-8B-shaped model (bf16, transformers).
 # Writes gpu_check.json, gpu_check.md and the logs into OUT_DIR; exits non-zero on any
 # failure or mismatch. Needs python3 with torch (CUDA), triton and transformers; no vLLM.
