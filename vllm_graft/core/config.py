@@ -55,9 +55,11 @@ class TreeShape(str, Enum):
     schedule. ``fixed``: every tree holds exactly ``budget`` nodes (see
     :class:`vllm_graft.core.graft.GraftTreeBuilder`), so every request schedules the
     same number of draft tokens and verification (and the drafting that produced the
-    tree) has one shape per batch size, as CUDA graphs need. ``auto``: ``fixed`` when
-    the engine runs CUDA graphs, ``dynamic`` otherwise (eager mode, CPU); the engine
-    adapter decides that with :func:`resolve_tree_shape`.
+    tree) has one shape per batch size, as full CUDA graphs need. ``auto``: ``fixed``
+    when the engine captures full CUDA graphs over the verification, ``dynamic``
+    otherwise (eager mode, CPU, and the piecewise graphs Graft runs on GPUs, where tree
+    attention runs between the captured pieces and shapes may vary); the engine adapter
+    decides that with :func:`resolve_tree_shape`.
     """
 
     AUTO = "auto"
@@ -85,7 +87,7 @@ def resolve_tree_shape(setting: TreeShape | str, cuda_graphs_enabled: bool) -> T
     """The shape in force: ``FIXED`` or ``DYNAMIC``, never ``AUTO``.
 
     ``setting``: ``GraftConfig.tree_shape`` (or its string); ``cuda_graphs_enabled``:
-    whether the engine captures CUDA graphs (not eager mode). The core itself knows
+    whether the engine captures full CUDA graphs over the verification. The core itself knows
     nothing about CUDA graphs: the adapter passes that fact in.
     """
     try:
@@ -247,8 +249,9 @@ class GraftConfig(BaseModel):
     misses and merges leave empty; low-confidence drafted nodes of unpruned trees make
     room for retrieved ones), so every request schedules the same number of draft tokens
     and the shapes suit CUDA graphs. ``dynamic`` is the plain Graft tree (at most
-    ``budget`` nodes). ``auto`` means ``fixed`` when the engine runs CUDA graphs and
-    ``dynamic`` in eager mode; see :class:`TreeShape` and :func:`resolve_tree_shape`.
+    ``budget`` nodes). ``auto`` means ``fixed`` under full CUDA graphs over the
+    verification and ``dynamic`` otherwise; see :class:`TreeShape` and
+    :func:`resolve_tree_shape`.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -276,7 +279,7 @@ class GraftConfig(BaseModel):
     ops_backend: str = Field("compiled", pattern="^(compiled|reference)$")
     tree_shape: TreeShape = Field(
         TreeShape.AUTO, description="fixed: exactly budget nodes per tree; dynamic: up to "
-        "budget; auto: fixed under CUDA graphs, dynamic in eager mode")
+        "budget; auto: fixed under full CUDA graphs over the verification, else dynamic")
     auto_size: bool = Field(
         False, description="size each step's trees by measured cost and learned acceptance "
         "(budget is the cap); budget \"auto\", the default, means budget 60 with this on")
@@ -309,6 +312,11 @@ class GraftConfig(BaseModel):
     context: ContextRetrievalConfig | None = Field(
         None, description="copy continuations from the request's own context (prompt "
         "lookup); unset: on for the graft variant, off for the ablations")
+    cuda_graphs: bool = Field(
+        True, description="on GPUs, run the target under vLLM's piecewise CUDA graphs "
+        "(tree attention runs eagerly between the captured pieces; the first tree steps "
+        "are checked against eager forwards, and any difference turns the graphs off); "
+        "false: eager mode")
     heap_trim_s: float = Field(
         10.0, ge=0, le=3600, description="seconds of engine steps between two hand-backs "
         "of the memory the C allocator keeps after frees (glibc malloc_trim), so a "

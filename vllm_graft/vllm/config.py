@@ -230,16 +230,19 @@ def tokenizer_fingerprint(tokenizer: str, trust_remote_code: bool = False,
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def cuda_graphs_enabled(vllm_config) -> bool:
-    """Whether this engine captures CUDA graphs: not eager mode, a CUDA-graph mode other
-    than NONE, and capture sizes to capture (the CPU platform empties them). Read in the
-    worker, after the platform and ``enforce_eager`` have settled the compilation config."""
+def cuda_graphs_enabled(vllm_config, full: bool = False) -> bool:
+    """Whether this engine captures CUDA graphs (``full``: graphs holding attention too):
+    not eager mode, a CUDA-graph mode other than NONE (with full graphs), and capture
+    sizes to capture (the CPU platform empties them). Read in the worker, after the
+    platform and ``enforce_eager`` have settled the compilation config."""
     model_config = getattr(vllm_config, "model_config", None)
     if model_config is not None and model_config.enforce_eager:
         return False
     compilation = getattr(vllm_config, "compilation_config", None)
     mode = getattr(compilation, "cudagraph_mode", None)
     if mode is None or getattr(mode, "name", str(mode)) == "NONE":
+        return False
+    if full and not mode.has_full_cudagraphs():
         return False
     return bool(getattr(compilation, "cudagraph_capture_sizes", None))
 
@@ -248,7 +251,9 @@ def cuda_graphs_enabled(vllm_config) -> bool:
 class GraftSettings:
     """What a worker needs: the validated config, the thresholds in force, the tree
     shape in force (``graft.tree_shape`` resolved against this engine's CUDA-graph
-    setting: ``auto`` is ``fixed`` with CUDA graphs, ``dynamic`` in eager mode), and the
+    setting: ``auto`` is ``fixed`` with full CUDA graphs over the verification, which
+    need one shape per batch size, ``dynamic`` otherwise: eager mode, and the piecewise
+    graphs Graft runs, where tree attention runs outside the graphs), and the
     calibration file's contents (None without one)."""
 
     config: GraftConfig
@@ -272,5 +277,6 @@ class GraftSettings:
             calibration.thresholds if calibration is not None else None)
         return cls(config=config, thresholds=thresholds,
                    tree_shape=resolve_tree_shape(config.tree_shape,
-                                                 cuda_graphs_enabled(vllm_config)),
+                                                 cuda_graphs_enabled(vllm_config,
+                                                                     full=True)),
                    calibration=calibration)

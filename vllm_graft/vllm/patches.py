@@ -8,7 +8,7 @@ through the general-plugin entry point.
 
 | # | vLLM symbol | change |
 |---|---|---|
-| 1 | ``engine.arg_utils.EngineArgs.create_speculative_config`` | translate ``method: graft``; refuse KV transfer, watermarking, chunked local attention |
+| 1 | ``engine.arg_utils.EngineArgs.create_speculative_config`` | translate ``method: graft``; refuse KV transfer, watermarking, chunked local attention; asynchronous scheduling off; on GPUs piecewise CUDA graphs (or eager with ``graft.cuda_graphs: false``) |
 | 2 | ``engine.arg_utils.EngineArgs.add_cli_args`` | ``--speculative-config`` takes a file |
 | 2b | ``sampling_params.SamplingParams._validate_spec_decode`` | allow min_p, logit_bias; refuse thinking budgets; check Graft request fields (400) |
 | 2c | ``config.VllmConfig.use_v2_model_runner`` | Graft engines use the V1 runner |
@@ -18,7 +18,7 @@ through the general-plugin entry point.
 | 4 | ``GPUModelRunner.initialize_kv_cache`` | start-up checks of tree attention |
 | 5 | ``GPUModelRunner._update_states`` | forget finished / preempted requests |
 | 6 | ``GPUModelRunner._prepare_inputs`` | tree positions + attention plan; vLLM's plain path on steps without drafts |
-| 7 | ``GPUModelRunner._model_forward`` | tree plan active in the target forward |
+| 7 | ``GPUModelRunner._model_forward`` | tree plan active in the target forward; the first tree steps replayed in CUDA graphs checked against eager ones |
 | 8 | ``GPUModelRunner._sample`` | lossless tree acceptance, KV move, matrix update |
 | 9 | ``GPUModelRunner._input_fits_in_drafter`` | per-request fit is Graft's job |
 | 10 | ``GPUModelRunner.propose_draft_token_ids`` | catch-up + tree drafting (DFlash: vLLM's block proposal, then Graft-TAIL) |
@@ -147,6 +147,31 @@ STATE_SAVE_SHUTDOWN_S = 10
 SHUTDOWN_REQUESTED_REASON = "shutdown requested"
 
 
+def choose_cuda_graphs(engine_args, target_model_config, wanted: bool) -> None:
+    """On GPUs, the target runs under piecewise CUDA graphs (tree attention runs eagerly
+    between the captured pieces; full graphs would hold a step's attention, tree plan
+    and all), checked at the first tree steps (:mod:`vllm_graft.vllm.graph_check`), or
+    eagerly when ``graft.cuda_graphs`` is false. The CPU keeps its own settings."""
+    from vllm.config import CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() or engine_args.enforce_eager:
+        return
+    if not wanted:
+        logger.warning("Graft: eager mode (graft.cuda_graphs is false): no CUDA graphs")
+        engine_args.enforce_eager = True
+        target_model_config.enforce_eager = True
+        return
+    compilation = engine_args.compilation_config
+    mode = compilation.cudagraph_mode
+    if mode is not None and mode == CUDAGraphMode.NONE:
+        return
+    if mode is not None and mode != CUDAGraphMode.PIECEWISE:
+        logger.warning("Graft: cudagraph_mode %s becomes PIECEWISE (tree attention runs "
+                       "between the captured pieces)", mode.name)
+    compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
+
+
 def keep_shutdown_grace(engine_args) -> None:
     """vLLM's ``--shutdown-timeout 0`` (its default, and indistinguishable from an
     explicit 0) kills the engine process right after SIGTERM, before the model runner's
@@ -186,23 +211,15 @@ def _patch_engine_args() -> list[Patch]:
             self.speculative_config = eagle_spec
             self.additional_config = {**(self.additional_config or {}),
                                       ADDITIONAL_CONFIG_KEY: settings}
-            # Tree verification needs synchronous steps; the per-step tree logic runs
-            # eagerly (no CUDA graphs / compiled attention). The V1 runner is chosen by
-            # the VllmConfig patch below.
+            # Tree verification needs synchronous steps. The V1 runner is chosen by the
+            # VllmConfig patch below.
             if self.async_scheduling:
                 logger.warning("Graft: asynchronous scheduling turned off (tree "
                                "verification needs each step's result before the next)")
             self.async_scheduling = False
             if "successor_state" in settings:
                 keep_shutdown_grace(self)
-            from vllm.platforms import current_platform
-
-            if not current_platform.is_cpu() and not self.enforce_eager:
-                logger.warning("Graft: eager mode forced (no CUDA graphs, no torch.compile):"
-                               " the tree steps run eagerly in this release")
-            if not current_platform.is_cpu():
-                self.enforce_eager = True
-                target_model_config.enforce_eager = True
+            choose_cuda_graphs(self, target_model_config, settings.get("cuda_graphs", True))
         config = call_original(EngineArgs, "create_speculative_config")(
             self, target_model_config, target_parallel_config)
         graft = (self.additional_config or {}).get(ADDITIONAL_CONFIG_KEY)
@@ -322,7 +339,8 @@ def _patch_runner() -> list[Patch]:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from vllm_graft.vllm import runner as graft_runner
-    from vllm_graft.vllm.config import ADDITIONAL_CONFIG_KEY
+    from vllm_graft.vllm.config import ADDITIONAL_CONFIG_KEY, cuda_graphs_enabled
+    from vllm_graft.vllm.graph_check import ReplayCheck
     from vllm_graft.vllm.proposer import (GraftDFlashProposer, GraftDraftModelProposer,
                                           GraftProposer)
     from vllm_graft.vllm.kv_blocks import PagedKVLayout
@@ -340,6 +358,7 @@ def _patch_runner() -> list[Patch]:
         call_original(cls, "__init__")(self, vllm_config, device, *args, **kwargs)
         self._graft_stats = None
         self._graft_step = None
+        self._graft_graph_check = None
         if (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY) is None:
             return
         if vllm_config.model_config.uses_mrope:
@@ -353,6 +372,8 @@ def _patch_runner() -> list[Patch]:
             vllm_config.speculative_config.method, GraftProposer)
         self.drafter = proposer(self.vllm_config, self.device, self)
         self._graft_stats = graft_runner.GraftStats()
+        if cuda_graphs_enabled(vllm_config):
+            self._graft_graph_check = ReplayCheck()
 
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
         out = call_original(cls, "initialize_kv_cache")(self, kv_cache_config, *args, **kwargs)
@@ -421,8 +442,12 @@ def _patch_runner() -> list[Patch]:
         # proposal's device clock
         step.forward_timer = None if sizer is None else SpanTimer(self.device)
         timed = contextlib.nullcontext() if sizer is None else step.forward_timer.span()
+        forward = call_original(cls, "_model_forward")
         with active_plan(step.plan), timed:
-            return call_original(cls, "_model_forward")(self, *args, **kwargs)
+            check = self._graft_graph_check
+            if step.plan is not None and check is not None and check.due():
+                return check.run(self, lambda: forward(self, *args, **kwargs), step.num_tokens)
+            return forward(self, *args, **kwargs)
 
     def _sample(self, logits, spec_decode_metadata):
         if on(self) and spec_decode_metadata is not None:
