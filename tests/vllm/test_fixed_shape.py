@@ -50,6 +50,7 @@ def _vllm_config(tree_shape, *, eager=False, mode="FULL_AND_PIECEWISE", sizes=(1
     ("auto", {}, "fixed"),
     ("auto", {"eager": True}, "dynamic"),
     ("auto", {"mode": "NONE"}, "dynamic"),
+    ("auto", {"mode": "PIECEWISE"}, "dynamic"),  # what a Graft engine runs on GPUs
     ("auto", {"sizes": ()}, "dynamic"),  # what the CPU platform leaves
     ("fixed", {"eager": True}, "fixed"),
     ("dynamic", {}, "dynamic"),
