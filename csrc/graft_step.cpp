@@ -869,8 +869,10 @@ void graft_accept_greedy_cpu(const at::Tensor& tree_tokens, const at::Tensor& tr
   update_successors(op, row_topk, learn_rows, successors, vocab_size);
 }
 
-// An order-preserving unsigned key of a float: a < b iff key(a) < key(b).
+// An order-preserving unsigned key of a float: a < b iff key(a) < key(b), and
+// equal floats have equal keys.
 inline uint32_t order_key(float x) {
+  if (x == 0.0f) x = 0.0f;  // -0.0 and +0.0 compare equal: one key
   uint32_t bits;
   std::memcpy(&bits, &x, sizeof(bits));
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
@@ -886,9 +888,11 @@ void drop_below_top_p(const std::vector<float>& work, std::vector<float>& exps,
                       std::vector<int64_t>& members) {
   constexpr int kBits = 12;
   constexpr uint32_t kBuckets = 1u << kBits;
+  // the token top-p never drops: the last of the ascending order, i.e. the highest
+  // index among equal largest values (the order members are sorted in below)
   int64_t largest = 0;
   for (int64_t v = 1; v < vocab; ++v) {
-    if (work[v] > work[largest]) largest = v;
+    if (work[v] >= work[largest]) largest = v;
   }
   // Narrow [lo, hi] of key space to the bucket the cut falls in: the one whose tokens
   // below it hold at most `floor` of the mass while with it they would not; `below`
