@@ -168,9 +168,11 @@ def test_fixed_shape_sampling_matches_plain_sampling(tiny_models, plain_sampled)
 def test_a_biased_acceptance_fails_the_same_test_with_fixed_shape(tiny_models, plain_sampled,
                                                                   monkeypatch):
     """Negative control, as in test_sampling_lossless: a walk that sometimes accepts the
-    first child without the target agreeing must fail the same test."""
+    first child without the target agreeing must fail the same test (the walk with
+    vLLM's sampler at each level, where a walk can be biased from outside)."""
     import vllm_graft.vllm.runner as runner_module
 
+    monkeypatch.setattr(runner_module, "filters_are_plain_sampling", lambda metadata: False)
     monkeypatch.setattr(runner_module, "walk_tree", biased_walk)
     got, _ = _sample(tiny_models.sharp, _fixed_spec(tiny_models), seed=3)
     pvalues = distribution_pvalues(plain_sampled, got)

@@ -82,6 +82,10 @@ SETTINGS = {
 }
 #: requests of each tree arm (the top-p one is a smoke check; see the docstring)
 TREE_SAMPLES = {"t2.0-topk20": DISTRIBUTION_SAMPLES, "t1.6-topp0.9": SAMPLES}
+#: the walk each tree arm takes: the fused op (one op walks the whole batch, the path
+#: of every batch that only uses temperature, top-k and top-p) or vLLM's sampler at
+#: each level (the path of every other batch: seeds, min-p, logit bias, logprobs)
+TREE_WALKS = {"t2.0-topk20": "fused", "t1.6-topp0.9": "per-level"}
 CONTROL_SETTING = "t2.0-topk20"
 CONTROL_SAMPLES = 5000  # enough for certainty (module docstring)
 ALPHA = 1e-6  # every p-value of an honest arm above it, one of the control's below
@@ -147,15 +151,26 @@ def plain_samples(tiny_models):
     return get
 
 
+def per_level_walks_only(monkeypatch) -> None:
+    """Every sampled step walks with vLLM's sampler at each level (the fused walk off)."""
+    import vllm_graft.vllm.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "filters_are_plain_sampling", lambda metadata: False)
+
+
 @pytest.mark.parametrize("name", SETTINGS)
 def test_graft_sampling_matches_plain_sampling(tiny_models, plain_samples, name,
-                                               record_property):
+                                               record_property, monkeypatch):
     samples = TREE_SAMPLES[name]
+    if TREE_WALKS[name] == "per-level":
+        per_level_walks_only(monkeypatch)
     got, metrics = sample(tiny_models.sharp, graft_spec(tiny_models.sharp_head, budget=60),
                           SETTINGS[name], seed=2, samples=samples)
     # trees were verified and a real share of tokens came from them
     assert metrics["graft_verified_trees"] > samples
     assert metrics["spec_decode_num_accepted_tokens"] > samples // 2, metrics
+    fused = metrics.get("graft_fused_sampled_verifications", 0)
+    assert (fused > 0) == (TREE_WALKS[name] == "fused"), metrics
     pvalues = distribution_pvalues(plain_samples(name), got)
     record_property("pvalues", pvalues)
     assert min(pvalues.values()) > ALPHA, pvalues
@@ -218,9 +233,12 @@ def test_a_two_percent_biased_acceptance_fails_the_same_test(tiny_models, plain_
     """Negative control: a verifier that, at 2 % of the tree levels, accepts the first
     child without the target agreeing (drafts over-represented, the bias vLLM 0.32's
     chain sampler shows on CPU) runs through the real engine and must fail the same
-    test (power, and why 5,000 requests do: the module docstring)."""
+    test (power, and why 5,000 requests do: the module docstring). It walks with vLLM's
+    sampler at each level, where a walk can be biased from outside; the fused walk is
+    held to the same size of error by tests/core/test_fused.py (a 1 % shift)."""
     import vllm_graft.vllm.runner as runner_module
 
+    per_level_walks_only(monkeypatch)
     counts = collections.Counter()
     monkeypatch.setattr(runner_module, "walk_tree", _counting_biased_walk(counts))
     got, _ = sample(tiny_models.sharp, graft_spec(tiny_models.sharp_head, budget=60),

@@ -67,6 +67,9 @@ GRAFT_COUNTERS = {
     "one_pass_verifications": "Sampling steps of all-greedy batches done from one top-k "
                               "pass over the verified rows' logits (no per-level sampler "
                               "calls; the same pass teaches the successor matrix).",
+    "fused_sampled_verifications": "Sampling steps walked by one fused op for the whole "
+                                   "batch (temperature, top-k and top-p alone; no "
+                                   "per-level sampler calls).",
     "bookkeeping_us": "Microseconds of Graft's own work outside model forwards.",
     "draft_forward_us": "Microseconds of draft-head forwards (catch-up and tree steps).",
     "tree_attention_us": "Microseconds recomputing tree rows' attention in the target "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from vllm_graft.core.config import StepMode
 from vllm_graft.core.graft import accepted_by_source, count_accepted_sources
 from vllm_graft.core.hybrid import SOURCE_PAD, HybridTree, ancestor_mask
 from vllm_graft.vllm.proposer import GraftProposer, PendingTree, SettledRows
-from vllm_graft.vllm.sampling import argmax_is_the_sample
+from vllm_graft.vllm.sampling import argmax_is_the_sample, filters_are_plain_sampling
 from vllm_graft.vllm.tp_agreement import agree
 from vllm_graft.vllm.timing import SpanTimer, device_clock
 from vllm_graft.vllm.tree_attention import (TreeAttentionPlan, TreeRequestPlan, kv_reader,
@@ -257,25 +258,28 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
     tree = host_tree.to(device)
     row_topk = None
     learned = False  # whether the acceptance taught the matrix already
-    if argmax_is_the_sample(sampling_metadata):
+    fused = runner.drafter.tree_builder.fused is not None  # the compiled ops
+    greedy = argmax_is_the_sample(sampling_metadata)
+    if greedy or (fused and filters_are_plain_sampling(sampling_metadata)):
         rows = starts.unsqueeze(1) + torch.arange(tree.tokens.shape[1], device=device)
-        rows = torch.where(tree.valid, rows, -1).reshape(-1)
+        rows = torch.where(tree.valid, rows, -1)
         pass_start = device_clock(device)
-        row_topk = runner.drafter.matrix.target_topk(logits, rows).view(
+        row_topk = runner.drafter.matrix.target_topk(logits, rows.reshape(-1)).view(
             batch, tree.tokens.shape[1], -1)
         # plain decoding reads each request's one row too: that share is not Graft's
         level_zero_seconds = (device_clock(device) - pass_start) * batch \
             / max(int(host_tree.valid.sum()), 1)
-        if runner.drafter.tree_builder.fused is not None:  # the compiled ops
+        if fused:
             result = _accept_and_learn(runner, tree, host_tree, row_topk,
-                                       spec_decode_metadata, starts, trees)
+                                       spec_decode_metadata, starts, trees,
+                                       None if greedy else (logits, rows, sampling_metadata))
             learned = True
         else:
             # without a tree attention plan every tree of the step is a chain
             walk = greedy_chain_walk if step is None or step.plan is None else greedy_walk
             result = walk(tree, row_topk[..., 0])
         logprobs = None
-        stats.counts["one_pass_verifications"] += 1
+        stats.counts["one_pass_verifications" if greedy else "fused_sampled_verifications"] += 1
     else:
         result, level_zero_seconds, logprobs = _walk_with_sampler(
             runner, tree, logits, starts, sampling_metadata)
@@ -452,10 +456,13 @@ def _stack_levels(levels: list, width: int):
 
 def _accept_and_learn(runner, tree: HybridTree, host_tree: HybridTree, row_topk: torch.Tensor,
                       spec_decode_metadata, starts: torch.Tensor,
-                      trees: list[VerifiedTree]) -> AcceptanceResult:
-    """The greedy walk of every request's tree and :func:`_learn`'s lesson in one op
-    (:func:`vllm_graft.ops.graft_accept_greedy`), from the target's top-k at the tree
-    rows (``row_topk`` [B, rows, k])."""
+                      trees: list[VerifiedTree], sampled=None) -> AcceptanceResult:
+    """The walk of every request's tree and :func:`_learn`'s lesson in one op, from the
+    target's top-k at the tree rows (``row_topk`` [B, rows, k]): greedy
+    (:func:`vllm_graft.ops.graft_accept_greedy`), or, given ``sampled`` = (logits, the
+    logits row of each tree row [B, rows], vLLM's sampling metadata), sampled from
+    temperature, top-k and top-p (:func:`vllm_graft.ops.graft_accept_sampled`; the
+    batch passed :func:`filters_are_plain_sampling`)."""
     batch, rows = tree.tokens.shape
     device = tree.tokens.device
     levels = host_tree.max_depth
@@ -464,11 +471,36 @@ def _accept_and_learn(runner, tree: HybridTree, host_tree: HybridTree, row_topk:
            "num_accepted": torch.empty(batch, dtype=torch.long, device=device),
            "accepted_sources": torch.empty((batch, 5), dtype=torch.long, device=device)}
     matrix = runner.drafter.matrix
-    ops.graft_accept_greedy(
-        tree.tokens, tree.parents, tree.valid, tree.source, row_topk.view(batch * rows, -1),
-        _learned_rows(runner, host_tree, spec_decode_metadata, starts, trees),
-        matrix.vocab_size, matrix.table, out)
+    learned = _learned_rows(runner, host_tree, spec_decode_metadata, starts, trees)
+    row_topk = row_topk.view(batch * rows, -1)
+    if sampled is None:
+        ops.graft_accept_greedy(tree.tokens, tree.parents, tree.valid, tree.source, row_topk,
+                                learned, matrix.vocab_size, matrix.table, out)
+    else:
+        logits, logits_rows, metadata = sampled
+        temperature, top_k, top_p = _filters(metadata, batch, logits.shape[1], device)
+        uniforms = torch.rand((batch, levels + 1, rows + 1), device=device)
+        ops.graft_accept_sampled(logits, logits_rows, tree.tokens, tree.parents, tree.valid,
+                                 tree.source, temperature, top_k, top_p, uniforms, row_topk,
+                                 learned, matrix.vocab_size, matrix.table, out)
     return AcceptanceResult(out["accepted_rows"], out["output_tokens"], out["num_accepted"])
+
+
+#: vLLM's sampler treats a temperature below this as greedy
+_GREEDY_BELOW = 1e-5
+
+
+def _filters(metadata, batch: int, vocab: int, device: torch.device):
+    """(temperature, top_k, top_p) ``[B]`` as the fused sampled acceptance takes them
+    from vLLM's sampling metadata: greedy rows at temperature 0, filters a request does
+    not use switched off (top-k 0, top-p 1)."""
+    temperature = metadata.temperature[:batch].float()
+    temperature = torch.where(temperature < _GREEDY_BELOW, 0.0, temperature).contiguous()
+    top_k = torch.zeros(batch, dtype=torch.long, device=device) if metadata.top_k is None \
+        else metadata.top_k[:batch].long().contiguous()
+    top_p = torch.ones(batch, device=device) if metadata.top_p is None \
+        else metadata.top_p[:batch].float().contiguous()
+    return temperature, top_k, top_p
 
 
 def _learned_rows(runner, host_tree: HybridTree, spec_decode_metadata, starts: torch.Tensor,
@@ -728,6 +760,7 @@ def profile_tree_step(runner, hidden_states: torch.Tensor) -> dict[str, int]:
         buffer_bytes = sum(value.numel() * value.element_size()
                            for value in vars(buffers).values()
                            if isinstance(value, torch.Tensor))
+        _run_fused_ops_once(drafter, max_seqs, logits)
     profile = {"rows": rows, "logits_bytes": logits.numel() * logits.element_size(),
                "topk_bytes": top.numel() * top.element_size(), "buffer_bytes": buffer_bytes}
     runner._graft_profile = profile
@@ -737,6 +770,43 @@ def profile_tree_step(runner, hidden_states: torch.Tensor) -> dict[str, int]:
                 buffer_bytes / 2**20)
     del hidden, logits, top
     return profile
+
+
+def _run_fused_ops_once(drafter: GraftProposer, batch: int, logits: torch.Tensor) -> None:
+    """Every fused op once, on the engine's device at ``batch`` requests, within the
+    start-up profile: an op that refuses this engine's shapes, dtypes or device stops
+    start-up naming itself, and GPU kernels compile now rather than in a served step.
+    The drafter's answers are uniform over the first ``top_k`` tokens; the matrix learns
+    nothing (the learned rows are cleared)."""
+    from vllm_graft.core import fused as fused_step
+
+    fused = drafter.tree_builder.fused
+    recipe = fused.recipe
+    device = logits.device
+    k = max(recipe.top_k, 1)
+
+    def uniform(step):
+        shape = (step.tokens.shape[0], step.tokens.shape[1], k)
+        return (torch.full(shape, -math.log(k), device=device),
+                torch.arange(k, device=device).expand(shape).contiguous())
+
+    context = None
+    if drafter.uses_context:
+        width = drafter.context_config.max_nodes
+        empty = torch.full((batch, width), -1, dtype=torch.long, device=device)
+        context = (empty, empty, torch.zeros_like(empty))
+    matrix = drafter.matrix
+    buffers = fused.build(torch.zeros(batch, dtype=torch.long, device=device),
+                          uniform if recipe.max_depth else None, context,
+                          successors=matrix.table)
+    buffers.learn_rows.fill_(-1)
+    rows = buffers.row_index.clamp(max=logits.shape[0] - 1)
+    fused_step.accept_greedy(buffers, logits, matrix.table, matrix.vocab_size, rows)
+    sampling = fused_step.SamplingTensors(
+        temperature=torch.ones(batch, device=device),
+        top_k=torch.zeros(batch, dtype=torch.long, device=device),
+        top_p=torch.full((batch,), 0.9, device=device))
+    fused_step.accept_sampled(buffers, logits, sampling, matrix.table, matrix.vocab_size, rows)
 
 
 def propose_with_blocks(runner, sampled_token_ids, propose_blocks) -> list[list[int]]:
