@@ -182,7 +182,8 @@ def install_chain_then_tree_guard(worker) -> None:
     feed = drafter._feed
 
     def recording_feed(runner, settled, inputs):
-        drafter.feeds_seen.append((drafter.mode.value, any(s.decoding for s in settled)))
+        mode = worker.model_runner._graft_proposal.mode  # the round's, being proposed
+        drafter.feeds_seen.append((mode.value, any(s.decoding for s in settled)))
         return feed(runner, settled, inputs)
 
     drafter._feed = recording_feed

@@ -315,7 +315,9 @@ def takes_plain_path(runner, scheduler_output) -> bool:
     copy) only to sample one row per request, as its plain path does. Models with
     recurrent layers keep the speculative path: their attention metadata reads the
     draft counts that path writes."""
-    return (runner.drafter.mode is StepMode.PLAIN
+    from vllm_graft.vllm.proposal import last_proposal
+
+    return (last_proposal(runner).mode is StepMode.PLAIN
             and not scheduler_output.scheduled_spec_decode_tokens
             and not runner.model_config.is_hybrid)
 
@@ -359,6 +361,7 @@ def _patch_runner() -> list[Patch]:
         self._graft_stats = None
         self._graft_step = None
         self._graft_graph_check = None
+        self._graft_proposal = None  # the last drafting round's (vllm_graft.vllm.proposal)
         if (vllm_config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY) is None:
             return
         if vllm_config.model_config.uses_mrope:

@@ -51,6 +51,7 @@ from vllm_graft.core.isolation import IsolationMode, MatrixPartitions
 from vllm_graft.core.successor import SuccessorMatrix
 from vllm_graft.vllm.config import GraftSettings, TokenizerRef
 from vllm_graft.vllm.heap import HeapTrimmer
+from vllm_graft.vllm.proposal import StepProposal
 from vllm_graft.vllm.sampling import plain_decoding_reason
 from vllm_graft.vllm.successor_state import (SuccessorStateKeeper, is_state_writer,
                                              matrix_metadata)
@@ -265,47 +266,31 @@ class GraftTreeDrafting:
                                           config.isolation.max_matrices)
         self.tenant_field = config.isolation.tenant_field
         self.pending: dict[str, PendingTree] = {}
-        self.last_build: BuildStats | None = None
         if config.auto_size and not self.auto_size:
             logger.warning("Graft: budget \"auto\" is off: fixed-shape trees always "
                            "hold budget nodes")
         self.sizer: TreeSizer | None = None
-        self.last_choice: Choice | None = None
         # budget "auto": each step runs the mode measured fastest (set with the sizer);
-        # ``mode`` is the guard's choice for the step being scheduled
+        # a round's choice travels in its StepProposal
         self.guard: ThroughputGuard | None = None
-        self.mode = StepMode.TREE
-        # whether trees are still worth preparing for at this batch size (the guard's
-        # word; always with a fixed budget), and, per request, decided once at its
-        # first sight: whether the drafter reads its positions at all
-        self.trees_in_reach = True
+        # per request, decided once at its first sight (:meth:`admit`): whether the
+        # drafter reads its positions at all
         self.drafter_follows: dict[str, bool] = {}
-        # what the last proposals really were: a tree step in which no request drafted
-        # (each waits after a tree cut to nothing) was plain decoding, and is timed so
-        self.ran_mode = StepMode.PLAIN
         self.chain_tokens, self.chain_walk = config.chain_tokens, config.chain_walk
-        self.last_chains: tuple[int, int] | None = None  # chains built, their nodes
         # budget "auto": looks at the batch's copy chains while the guard decodes plainly
-        # (set with the guard), and the chains of its last look that promised a gain:
-        # the step's settled rows (the chains serve that step only), the drafting
-        # requests' batch rows, the chains and the sizer's choice
+        # (set with the guard)
         self.scout: ChainScout | None = None
-        self.scouted: tuple[list[SettledRows], list[int], HostChains, Choice | None] | None \
-            = None
-        self.scout_fired = False  # the chain scout started the step being proposed
         # per request, the whole chain of the last chain build (a scout's look or a chain
         # step) until decoding has emitted the positions it proposed
         self.shadows: dict[str, ShadowChain] = {}
-        self.shadow_trials = 0  # chain nodes shadows taught the acceptance model, unread
         # requests whose last tree was cut to nothing: steps since, while they skip drafting
         self.plain_steps: dict[str, int] = {}
         self.max_model_len = vllm_config.model_config.max_model_len
         self.forward_timer = SpanTimer(device)  # head forwards (for the overhead metrics)
         # the drafter's catch-up (its forwards included); outside tree steps it serves
-        # only trees to come, and budget "auto" charges it to them: the seconds of the
-        # last proposal's, when it was no tree step (read by the next step's timing)
+        # only trees to come, and budget "auto" charges it to them
+        # (StepProposal.tree_preparation)
         self.catch_up_timer = SpanTimer(device)
-        self.tree_preparation = 0.0
         # drafter inputs deferred while the throughput guard decodes plainly; the tree
         # step that feeds them carries their cost in the guard's measurement (the
         # switch from a cheaper mode to trees costs that much)
@@ -380,26 +365,28 @@ class GraftTreeDrafting:
     # ---- one drafting round -----------------------------------------------------------
     @torch.inference_mode()
     def propose_trees(self, runner, scheduler_output, settled: list[SettledRows],
-                      aux_hidden_states: list[torch.Tensor]) -> list[list[int]]:
-        """Run catch-up and tree drafting; returns drafts in persistent-batch order."""
+                      aux_hidden_states: list[torch.Tensor], proposal: StepProposal) -> None:
+        """Run catch-up and drafting in ``proposal.mode``; the drafts (in persistent-batch
+        order), what ran and what was built go into ``proposal``."""
         req_ids = runner.input_batch.req_ids
         drafts: list[list[int]] = [[] for _ in req_ids]
-        self._start_proposal()
+        proposal.drafts = drafts
         if not settled:
-            return drafts
+            return
         uses_drafter = self.settings.config.variant.drafts  # retrieval_only does not
         drafting = [i for i, s in enumerate(settled) if s.drafts]
         catchup = None
         if uses_drafter:  # only a request about to draft a tree needs its rows fed now
-            feeds = self.mode is StepMode.TREE
+            feeds = proposal.mode is StepMode.TREE
             with self.catch_up_timer.span():
                 catchup = self._catch_up(runner, settled, aux_hidden_states,
                                          [feeds and s.drafts for s in settled])
-        self.ran_mode = self.mode if drafting else StepMode.PLAIN
+        proposal.ran = proposal.mode if drafting else StepMode.PLAIN
         if not drafting:
-            return drafts
-        if self.mode is StepMode.CHAIN:
-            return self._propose_chains(runner, settled, drafting, drafts)
+            return
+        if proposal.mode is StepMode.CHAIN:
+            self._propose_chains(runner, settled, drafting, proposal)
+            return
         roots = torch.tensor([settled[i].next_tokens[-1] for i in drafting], dtype=torch.long)
         expander = None
         if uses_drafter:
@@ -430,40 +417,30 @@ class GraftTreeDrafting:
                                               partitions)
         if context is not None and self.sizer is not None:  # the acceptance model's input
             tree = self._scored_by_match(tree, [p.match_length for p in proposals])
-        self.last_build = stats
+        proposal.build = stats
         if self.sizer is not None:
-            tree, self.last_choice = self.sizer.trim(tree)
-        tree = agree(tree.to("cpu"))  # the ranks of a tensor-parallel engine verify one tree
-        stages, confidence = stats.stage.tolist(), stats.confidence.cpu()
+            tree, proposal.choice = self.sizer.trim(tree)
+        # the ranks of a tensor-parallel engine verify one tree; a copy of the build's
+        # (the next build reuses its buffers)
+        tree = agree(tree.to("cpu"))
+        stages, confidence = stats.stage.tolist(), stats.confidence.cpu().clone()
         rows = HostRows.of(tree)
         for t, i in enumerate(drafting):
             req_id = req_ids[settled[i].batch_row]
             n = self._schedule(tree, rows, t, req_id, settled[i].batch_row, drafts,
                                stages[t], confidence[t])
-            if self.last_choice is not None:
+            if proposal.choice is not None:
                 if n == 1:  # nothing worth verifying: decode plainly for a while
                     self.plain_steps[req_id] = 1
                 else:
                     self.plain_steps.pop(req_id, None)
-        return drafts
 
-    def _start_proposal(self) -> None:
-        """Forget the last step's build, chains and choice; a step drafts nothing until
-        its proposal says otherwise."""
-        self.last_build, self.last_chains, self.last_choice = None, None, None
-        self.ran_mode = StepMode.PLAIN
-
-    def pass_plainly(self, req_ids: list[str], scheduled) -> list[list[int]]:
+    @staticmethod
+    def pass_plainly(req_ids: list[str], proposal: StepProposal) -> None:
         """:meth:`propose_trees` for a plain step when the drafter follows none of the
-        ``scheduled`` requests (their states): no drafts, and no drafter input to feed
-        or defer, so the step's settled rows are never read. A request seen for the
-        first time still gets its follow decision here (:meth:`follows`), as the
-        catch-up would give it."""
-        self._start_proposal()
-        if self.settings.config.variant.drafts:
-            for req_state in scheduled:
-                self.follows(req_state)
-        return [[] for _ in req_ids]
+        step's requests: no drafts, and no drafter input to feed or defer, so the
+        step's settled rows are never read."""
+        proposal.drafts = [[] for _ in req_ids]
 
     def _schedule(self, tree, rows: HostRows, t: int, req_id: str, batch_row: int,
                   drafts: list[list[int]], stage: int = -1,
@@ -488,16 +465,18 @@ class GraftTreeDrafting:
             [match_score(length, min_ngram) for length in match_lengths]), tree.score))
 
     def _propose_chains(self, runner, settled: list[SettledRows], drafting: list[int],
-                        drafts: list[list[int]]) -> list[list[int]]:
+                        proposal: StepProposal) -> None:
         """The guard's cheap tier: a copy chain per request (:mod:`vllm_graft.core.chain`),
         no drafter forward; the chains the scout built for this batch when it ran them."""
-        scouted, self.scouted = self.scouted, None
+        scouted, proposal.scouted = proposal.scouted, None
         rows = [settled[i].batch_row for i in drafting]
         if scouted is not None and scouted[0] is settled and scouted[1] == rows:
-            chains, self.last_choice = scouted[2], scouted[3]
+            chains, proposal.choice = scouted[2], scouted[3]
         else:
-            chains, self.last_choice = self._build_chains(runner, settled, drafting)
+            chains, proposal.choice, trials = self._build_chains(runner, settled, drafting)
+            proposal.shadow_trials += trials
         chains = agree(chains)
+        drafts = proposal.drafts
         tree = chains.to_tree()
         req_ids = runner.input_batch.req_ids
         rows = HostRows([len(tokens) for tokens in chains.tokens], chains.tokens)
@@ -508,14 +487,14 @@ class GraftTreeDrafting:
                                   chain=True) - 1
             self._mark_verified(req_id, kept)
             nodes += kept
-        self.last_chains = (len(drafting), nodes)
-        return drafts
+        proposal.chains = (len(drafting), nodes)
 
     def _build_chains(self, runner, settled: list[SettledRows], drafting: list[int]
-                      ) -> tuple[HostChains, Choice | None]:
+                      ) -> tuple[HostChains, Choice | None, int]:
         """Each drafting request's copy chain, on the host, cut by the sizer (with its
         choice) when budget "auto" is on; the whole chains teach the acceptance model
-        once decoding has passed them (:meth:`_shadow_chains`)."""
+        once decoding has passed them (:meth:`_shadow_chains`: the nodes it learned from
+        come third)."""
         matches = [(0, [])] * len(drafting)
         if self.uses_context:
             matches = [self._context_index(runner, settled[i]).best_match(
@@ -529,13 +508,13 @@ class GraftTreeDrafting:
                              self.chain_walk,
                              [match_score(length, min_ngram) for length, _ in matches])
         if self.sizer is None:
-            return chains, None
-        if self.uses_context:
-            self._shadow_chains(runner, settled, drafting, chains)
-        return self.sizer.trim_chains(chains)
+            return chains, None, 0
+        trials = self._shadow_chains(runner, settled, drafting, chains) \
+            if self.uses_context else 0
+        return (*self.sizer.trim_chains(chains), trials)
 
     def _shadow_chains(self, runner, settled: list[SettledRows], drafting: list[int],
-                       chains: HostChains) -> None:
+                       chains: HostChains) -> int:
         """Teach the chain acceptance model from chain nodes no step verified: each
         drafting request's chain of an earlier build, once decoding has emitted every
         position it proposed (:func:`vllm_graft.core.budget.copied_prefix`), past the
@@ -543,7 +522,8 @@ class GraftTreeDrafting:
         for a request with none waiting. A scout's look teaches what plain steps would
         have accepted; a chain step, the odds of the nodes its cut left out, which the
         sizer would otherwise only learn by verifying them (a class once measured poor,
-        or never tried, such as the matrix's walk after a copy, would stay cut)."""
+        or never tried, such as the matrix's walk after a copy, would stay cut). Returns
+        how many chain nodes it learned from."""
         req_ids = runner.input_batch.req_ids
         outcomes = []
         for t, i in enumerate(drafting):
@@ -557,8 +537,7 @@ class GraftTreeDrafting:
                 outcomes.append(waiting.outcome(context[waiting.root + 1:end]))
             self.shadows[req_id] = ShadowChain(len(context) - 1, chains.tokens[t][1:],
                                                chains.source[t][1:], chains.score[t][1:])
-        if outcomes:
-            self.shadow_trials += self.sizer.chain_acceptance.observe_chains(outcomes)
+        return self.sizer.chain_acceptance.observe_chains(outcomes) if outcomes else 0
 
     def _mark_verified(self, req_id: str, nodes: int) -> None:
         """A chain step verifies the first ``nodes`` nodes of the chain built this step
@@ -568,22 +547,23 @@ class GraftTreeDrafting:
         if shadow is not None and shadow.root == len(self.context_indexes[req_id].tokens) - 1:
             shadow.verified = nodes
 
-    def scout_chains(self, runner, settled: list[SettledRows], plain_rate: float | None
-                     ) -> bool:
+    def scout_chains(self, runner, settled: list[SettledRows], plain_rate: float | None,
+                     proposal: StepProposal) -> bool:
         """Whether this step, which the guard would decode plainly, should verify copy
         chains instead (:class:`vllm_graft.core.budget.ChainScout`); the chains built to
-        decide are kept for :meth:`_propose_chains`."""
-        self.scouted = None
+        decide go into ``proposal`` for :meth:`_propose_chains`."""
+        proposal.scouted = None
         drafting = [i for i, s in enumerate(settled) if s.drafts and self.may_draft(
             runner.requests[runner.input_batch.req_ids[s.batch_row]],
             s.first_position + len(s.rows), StepMode.CHAIN)]
         if not drafting:
             return False
-        chains, choice = self._build_chains(runner, settled, drafting)
+        chains, choice, trials = self._build_chains(runner, settled, drafting)
+        proposal.shadow_trials += trials
         if not self.scout.promising(self.predicted_credit(choice, len(settled)),
                                     choice.step_ms, plain_rate):
             return False
-        self.scouted = (settled, [settled[i].batch_row for i in drafting], chains, choice)
+        proposal.scouted = (settled, [settled[i].batch_row for i in drafting], chains, choice)
         return True
 
     def predicted_credit(self, choice: Choice, batch: int) -> float:
@@ -602,17 +582,23 @@ class GraftTreeDrafting:
     #: drafter's cost with it) and tries again after this many plain steps
     REPROBE_STEPS = 8
 
+    def admit(self, req_states, trees_in_reach: bool) -> None:
+        """Decide, for each request seen for the first time, whether the drafter reads
+        its positions, for its whole life: not when the throughput guard had measured
+        trees well below the fastest mode at the batch size it arrived in
+        (``trees_in_reach`` false), nor when the request's options forbid speculation
+        for its whole life (:func:`speculates_ever`). The drafter's pass over such a
+        request's prompt, the projection of its rows and their deferral would serve
+        only trees, which it then never drafts (copy chains and plain decoding need no
+        drafter). The runner admits a round's requests before anything asks
+        :meth:`follows`."""
+        for req_state in req_states:
+            if req_state.req_id not in self.drafter_follows:
+                self.drafter_follows[req_state.req_id] = self._would_follow(
+                    req_state, trees_in_reach)
+
     def follows(self, req_state) -> bool:
-        """Whether the drafter reads this request's positions, decided at its first
-        sight for its whole life: not when the throughput guard had measured trees well
-        below the fastest mode at the batch size it arrived in, nor when the request's
-        options forbid speculation for its whole life (:func:`speculates_ever`). The
-        drafter's pass over such a request's prompt, the projection of its rows and
-        their deferral would serve only trees, which it then never drafts (copy chains
-        and plain decoding need no drafter)."""
-        if req_state.req_id not in self.drafter_follows:
-            self.drafter_follows[req_state.req_id] = self._would_follow(
-                req_state, self.trees_in_reach)
+        """Whether the drafter reads this request's positions (decided by :meth:`admit`)."""
         return self.drafter_follows[req_state.req_id]
 
     def would_follow_any(self, req_states, trees_in_reach: bool) -> bool:
@@ -641,27 +627,36 @@ class GraftTreeDrafting:
             return (StepMode.TREE,)
         return ()
 
-    def may_draft(self, req_state, root_position: int, mode: StepMode | None = None) -> bool:
-        """A tree needs its rows (and the drafter's) to fit in the context, a request
-        whose options depend on earlier tokens is decoded plainly, and so, for a while,
-        is a request whose last tree budget "auto" found not worth verifying, and every
-        request while the throughput guard measures plain decoding fastest. A request
-        the drafter does not follow drafts no tree. ``mode``: the step's (default: the
-        guard's choice)."""
+    #: :meth:`drafting_obstacle` of a request waiting after its tree was cut to nothing
+    WAITING = "waiting after a tree cut to nothing"
+
+    def may_draft(self, req_state, root_position: int, mode: StepMode) -> bool:
+        """Whether the request may draft in a step of ``mode`` (no obstacle)."""
+        return self.drafting_obstacle(req_state, root_position, mode) is None
+
+    def drafting_obstacle(self, req_state, root_position: int, mode: StepMode) -> str | None:
+        """Why the request may not draft in a step of ``mode``, or None: no mode drafts
+        while the throughput guard decodes plainly; a tree needs a request the drafter
+        follows; the drafts (and the drafter's rows) must fit in the context; a request
+        whose last tree budget "auto" found not worth verifying waits
+        (:data:`WAITING`: the runner counts its waits with :meth:`wait_a_step`); a
+        request whose options depend on earlier tokens is decoded plainly."""
         config = self.settings.config
-        mode = self.mode if mode is None else mode
         if mode is StepMode.PLAIN:
-            return False
+            return "plain step"
         if mode is StepMode.TREE and not self.follows(req_state):
-            return False
+            return "not followed"
         if root_position + max(config.budget, config.max_depth, self.chain_tokens) + 1 \
                 > self.max_model_len:
-            return False
+            return "context"
         plain = self.plain_steps.get(req_state.req_id)
         if mode is StepMode.TREE and plain is not None and plain < self.REPROBE_STEPS:
-            self.plain_steps[req_state.req_id] = plain + 1
-            return False
-        return speculates_now(req_state)
+            return self.WAITING
+        return None if speculates_now(req_state) else "options"
+
+    def wait_a_step(self, req_id: str) -> None:
+        """A waiting request (:data:`WAITING`) sat out one more tree step."""
+        self.plain_steps[req_id] += 1
 
     def _context_index(self, runner, settled: SettledRows) -> ContextIndex:
         """The request's context index, brought up to its last settled token (the
@@ -902,17 +897,17 @@ class GraftDFlashProposer(GraftTreeDrafting, DFlashProposer):
 
     @torch.inference_mode()
     def graft_blocks(self, runner, blocks: torch.Tensor, sampled_token_ids: torch.Tensor
-                     ) -> list[list[int]]:
-        """Graft-TAIL chains from this step's DFlash blocks; returns drafts in
-        persistent-batch order (none for requests that decode plainly)."""
-        self.last_build = None
+                     ) -> tuple[list[list[int]], BuildStats | None]:
+        """Graft-TAIL chains from this step's DFlash blocks: drafts in persistent-batch
+        order (none for requests that decode plainly), and the build's facts (None: no
+        chain built)."""
         req_ids = runner.input_batch.req_ids
         drafts: list[list[int]] = [[] for _ in req_ids]
         batch, length = blocks.shape
         if length != self.settings.config.budget:  # vLLM asked for another block size
             logger.warning("Graft: DFlash proposed blocks of %d tokens, not %d: decoding "
                            "plainly this step", length, self.settings.config.budget)
-            return drafts
+            return drafts, None
         sampled = sampled_token_ids[:batch].cpu()
         valid = (sampled >= 0).sum(1)
         rows = []
@@ -923,7 +918,7 @@ class GraftDFlashProposer(GraftTreeDrafting, DFlashProposer):
                 continue
             rows.append(row)
         if not rows:
-            return drafts
+            return drafts, None
         index = torch.tensor(rows, dtype=torch.long)
         roots = sampled[index, valid[index] - 1].long()
         device_index = index.to(blocks.device)
@@ -931,14 +926,13 @@ class GraftDFlashProposer(GraftTreeDrafting, DFlashProposer):
         chain, stats = self.tree_builder.build_from_block(
             roots.to(self.device), blocks[device_index], logprobs,
             self.partitions(runner, [req_ids[row] for row in rows]))
-        self.last_build = stats
         chain = agree(chain.to("cpu"))  # the ranks of a tensor-parallel engine verify one
         stages, confidence = stats.stage.tolist(), stats.confidence.cpu()
         host_rows = HostRows.of(chain)
         for t, row in enumerate(rows):
             self._schedule(chain, host_rows, t, req_ids[row], row, drafts, stages[t],
                            confidence[t], chain=True)
-        return drafts
+        return drafts, stats
 
 
 class _TreeExpansion:

@@ -29,7 +29,6 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from torch.nn.utils.rnn import pad_sequence
@@ -43,6 +42,7 @@ from vllm_graft.core.budget import UNKNOWN_SCORE
 from vllm_graft.core.config import StepMode
 from vllm_graft.core.graft import accepted_by_source, count_accepted_sources
 from vllm_graft.core.hybrid import SOURCE_PAD, HybridTree, ancestor_mask
+from vllm_graft.vllm.proposal import StepProposal, last_proposal
 from vllm_graft.vllm.proposer import GraftProposer, PendingTree, SettledRows
 from vllm_graft.vllm.sampling import argmax_is_the_sample, filters_are_plain_sampling
 from vllm_graft.vllm.tp_agreement import agree
@@ -234,7 +234,8 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
     sampling_metadata = runner.input_batch.sampling_metadata
     trees = step.trees if step is not None else []
     num_draft_tokens = spec_decode_metadata.num_draft_tokens
-    if not trees and runner.drafter.mode is StepMode.PLAIN and not any(num_draft_tokens):
+    proposal = last_proposal(runner)
+    if not trees and proposal.mode is StepMode.PLAIN and not any(num_draft_tokens):
         # the guard's plain mode with no request carrying drafts: nothing to walk or to
         # teach the matrix, so this is plain decoding's one sampler call on its logits
         # (such steps reach here only where they keep vLLM's speculative path:
@@ -250,7 +251,7 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
     num_sampled = torch.as_tensor(num_draft_tokens, device=device) + 1
     starts = torch.cumsum(num_sampled, 0) - num_sampled  # first logits row per request
     batch = num_sampled.numel()
-    if not trees and runner.drafter.mode is StepMode.PLAIN:
+    if not trees and proposal.mode is StepMode.PLAIN:
         # drafts that are not ours (e.g. padding after a resume): one sampler call on
         # each request's first row, as when no request carried drafts
         return runner.sampler(logits=logits[starts], sampling_metadata=sampling_metadata)
@@ -294,12 +295,12 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
             stats.counts[f"accepted_{source}"] += n
         if runner.drafter.sizer is not None:
             # the trees were proposed in the mode of the drafter's last proposal
-            runner.drafter.sizer.observe(host_tree, host, mode=runner.drafter.ran_mode)
+            runner.drafter.sizer.observe(host_tree, host, mode=proposal.ran)
         for observer in TREE_OBSERVERS:
             for t in trees:
                 count = int(host.num_accepted[t.batch_row])
                 observer(t, host.accepted_rows[t.batch_row, :count].tolist())
-    if runner.drafter.mode is not StepMode.PLAIN and not learned:
+    if proposal.mode is not StepMode.PLAIN and not learned:
         _learn(runner, logits, spec_decode_metadata, starts, trees, row_topk)
     if step is not None and step.plan is not None:
         stats.add_seconds("tree_attention", step.plan.seconds)
@@ -332,6 +333,7 @@ def _sample_chains(runner, logits: torch.Tensor, spec_decode_metadata,
     each a dispatch on caches the forward has just flushed."""
     stats: GraftStats = runner._graft_stats
     drafter = runner.drafter
+    proposal = last_proposal(runner)
     device = logits.device
     num_draft_tokens = spec_decode_metadata.num_draft_tokens
     pass_start = device_clock(device)
@@ -372,11 +374,11 @@ def _sample_chains(runner, logits: torch.Tensor, spec_decode_metadata,
             drafter.sizer.observe_chains(
                 [(tags[t.batch_row][1:],
                   None if t.tree.score is None else t.tree.score[1:].tolist(),
-                  accepted[t.batch_row], 0) for t in trees], mode=drafter.ran_mode)
+                  accepted[t.batch_row], 0) for t in trees], mode=proposal.ran)
         for observer in TREE_OBSERVERS:
             for t in trees:
                 observer(t, accepted_rows[t.batch_row][:accepted[t.batch_row]])
-    if drafter.mode is not StepMode.PLAIN:  # the guard's plain mode learns nothing
+    if proposal.mode is not StepMode.PLAIN:  # the guard's plain mode learns nothing
         _learn_every_row(runner, logits, spec_decode_metadata, row_topk, padding_rows)
     stats.add_seconds("bookkeeping", device_clock(device) - start - level_zero_seconds)
     return SamplerOutput(sampled_token_ids=output.to(device), logprobs_tensors=None)
@@ -510,7 +512,7 @@ def _learned_rows(runner, host_tree: HybridTree, spec_decode_metadata, starts: t
     of every other request; nothing in the guard's plain mode."""
     batch, rows = host_tree.tokens.shape
     device = starts.device
-    if runner.drafter.mode is StepMode.PLAIN:
+    if last_proposal(runner).mode is StepMode.PLAIN:  # the guard's plain mode learns nothing
         return torch.full((batch, rows), -1, dtype=torch.long, device=device)
     tokens = torch.where(host_tree.valid & (host_tree.source != SOURCE_PAD),
                          host_tree.tokens, -1).to(device)
@@ -646,13 +648,19 @@ def settled_rows(runner, scheduler_output, sampled: torch.Tensor, step: GraftSte
     return out
 
 
-def _decide_drafting(runner, settled: list[SettledRows]) -> None:
-    """Which settled requests get new drafts under the mode of the coming step."""
+def _decide_drafting(runner, settled: list[SettledRows], mode: StepMode) -> None:
+    """Which settled requests get new drafts in the coming step's ``mode``; a request
+    waiting after its tree was cut to nothing sits out one more tree step."""
     proposer: GraftProposer = runner.drafter
     for s in settled:
+        if not s.drafts:
+            continue
         req_id = runner.input_batch.req_ids[s.batch_row]
-        s.drafts = s.drafts and proposer.may_draft(runner.requests[req_id],
-                                                   s.first_position + len(s.rows))
+        obstacle = proposer.drafting_obstacle(runner.requests[req_id],
+                                              s.first_position + len(s.rows), mode)
+        if obstacle == proposer.WAITING:
+            proposer.wait_a_step(req_id)
+        s.drafts = obstacle is None
 
 
 def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_states
@@ -677,65 +685,70 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
     if step is not None and step.result is not None:
         read_settled()
     _observe_step(runner, scheduler_output, settled, step)  # before choosing the next
-    proposer.scout_fired = False
-    following, states = True, []
+    proposal = StepProposal()
+    runner._graft_proposal = proposal  # what the step to come verifies
+    requests = list(scheduler_output.num_scheduled_tokens)
+    states = [runner.requests[req_id] for req_id in requests]
+    following = True
     if proposer.guard is not None:
         # every rank must draft (or not) alike: the first rank's timing decides
-        requests = list(scheduler_output.num_scheduled_tokens)
         joined = len(scheduler_output.scheduled_new_reqs)
         if joined:  # new text: what chains measured on the old one counts for less
             proposer.guard.requests_joined(joined, len(requests),
                                            scouted=proposer.scout is not None)
             if proposer.scout is not None:
                 proposer.scout.text_changed(joined, len(requests))
-        states = [runner.requests[req_id] for req_id in requests]
         reach = proposer.guard.within_reach(len(requests), StepMode.TREE)
         mode = proposer.guard.choose(len(requests), proposer.unavailable_modes(states, reach))
         if (mode is StepMode.PLAIN and not proposer.guard.measuring
                 and proposer.scout is not None and proposer.scout.due()):
             stats.counts["chain_scout_looks"] += 1
             if proposer.scout_chains(runner, read_settled(), proposer.guard.rate_of(
-                    len(requests), StepMode.PLAIN)):
+                    len(requests), StepMode.PLAIN), proposal):
                 mode = StepMode.CHAIN
-                proposer.scout_fired = True
+                proposal.scout_fired = True
                 stats.counts["chain_scout_steps"] += 1
-        proposer.mode, proposer.trees_in_reach = agree((mode, reach))
+        proposal.mode, proposal.trees_in_reach = agree((mode, reach))
         # from the agreed reach: ranks that disagreed on it must still all feed the
         # drafter (its forward's collectives), or all pass plainly
-        following = proposer.would_follow_any(states, proposer.trees_in_reach)
-    if proposer.mode is StepMode.PLAIN and not following:
+        following = proposer.would_follow_any(states, proposal.trees_in_reach)
+    proposer.admit(states, proposal.trees_in_reach)
+    if proposal.mode is StepMode.PLAIN and not following:
         # nothing to draft, and no drafter input to feed or keep
-        drafts = proposer.pass_plainly(runner.input_batch.req_ids, states)
+        proposer.pass_plainly(runner.input_batch.req_ids, proposal)
     else:
-        _decide_drafting(runner, read_settled())
-        drafts = proposer.propose_trees(runner, scheduler_output, read_settled(),
-                                        aux_hidden_states)
-    stats.counts["chain_shadow_trials"] += proposer.shadow_trials
-    proposer.shadow_trials = 0
+        _decide_drafting(runner, read_settled(), proposal.mode)
+        proposer.propose_trees(runner, scheduler_output, read_settled(), aux_hidden_states,
+                               proposal)
+    stats.counts["chain_shadow_trials"] += proposal.shadow_trials
     if proposer.guard is not None:
-        stats.counts[f"guard_{proposer.ran_mode.value}_steps"] += 1
-    build = proposer.last_build
+        stats.counts[f"guard_{proposal.ran.value}_steps"] += 1
     end = device_clock(runner.device)
     forward_seconds = proposer.forward_timer.take_seconds()
     stats.add_seconds("draft_forward", forward_seconds)
     stats.add_seconds("bookkeeping", end - start - forward_seconds)
     catch_up = proposer.catch_up_timer.take_seconds()
     # a catch-up that followed no request did no work for trees (its span is the call)
-    proposer.tree_preparation = catch_up if (
-        following and proposer.ran_mode is not StepMode.TREE) else 0.0
-    if proposer.guard is not None and proposer.tree_preparation:
-        stats.add_seconds("tree_preparation", proposer.tree_preparation)
-    if build is not None:
-        _count_build(stats, build, proposer.settings.config.checkpoints)
-    if proposer.last_chains is not None:
-        stats.counts["chains_built"] += proposer.last_chains[0]
-        stats.counts["chain_nodes"] += proposer.last_chains[1]
-    choice = proposer.last_choice
+    proposal.tree_preparation = catch_up if (
+        following and proposal.ran is not StepMode.TREE) else 0.0
+    if proposer.guard is not None and proposal.tree_preparation:
+        stats.add_seconds("tree_preparation", proposal.tree_preparation)
+    _count_proposal(stats, proposal, proposer.settings.config.checkpoints)
+    return proposal.drafts
+
+
+def _count_proposal(stats: GraftStats, proposal: StepProposal, checkpoints) -> None:
+    """A proposal's build, chains and sizing in the counters."""
+    if proposal.build is not None:
+        _count_build(stats, proposal.build, checkpoints)
+    if proposal.chains is not None:
+        stats.counts["chains_built"] += proposal.chains[0]
+        stats.counts["chain_nodes"] += proposal.chains[1]
+    choice = proposal.choice
     if choice is not None:
         stats.counts["auto_chosen_nodes"] += int(choice.nodes_per_request.sum())
         predicted = choice.expected_tokens - choice.nodes_per_request.numel()
         stats.counts["auto_predicted_accepted_milli"] += int(round(predicted * 1000))
-    return drafts
 
 
 def profile_tree_step(runner, hidden_states: torch.Tensor) -> dict[str, int]:
@@ -818,12 +831,12 @@ def propose_with_blocks(runner, sampled_token_ids, propose_blocks) -> list[list[
     start = device_clock(runner.device)
     blocks = propose_blocks()
     drafted = device_clock(runner.device)
-    drafts = runner.drafter.graft_blocks(runner, blocks, sampled_token_ids)
+    drafts, build = runner.drafter.graft_blocks(runner, blocks, sampled_token_ids)
+    runner._graft_proposal = StepProposal(ran=StepMode.CHAIN if build is not None
+                                          else StepMode.PLAIN, drafts=drafts, build=build)
     stats.add_seconds("draft_forward", drafted - start)
     stats.add_seconds("bookkeeping", device_clock(runner.device) - drafted)
-    build = runner.drafter.last_build
-    if build is not None:
-        _count_build(stats, build, runner.drafter.settings.config.checkpoints)
+    _count_proposal(stats, runner._graft_proposal, runner.drafter.settings.config.checkpoints)
     return drafts
 
 
@@ -841,10 +854,11 @@ def _observe_step(runner, scheduler_output, settled: list[SettledRows] | None,
     (:meth:`ThroughputGuard.charge`), not to the step's mode, whether the step is
     measured or not."""
     proposer: GraftProposer = runner.drafter
+    measured = last_proposal(runner)  # the proposal the step now ending verified
     forward_ms = None if step is None else step.take_forward_ms()
     if forward_ms is not None:  # the profile follows what a forward really costs
         proposer.sizer.cost.observe(1, step.num_tokens, forward_ms)
-    preparation, proposer.tree_preparation = proposer.tree_preparation, 0.0
+    preparation = measured.tree_preparation
     if proposer.guard is None and proposer.sizer is None:
         return
     now = time.perf_counter()
@@ -856,21 +870,21 @@ def _observe_step(runner, scheduler_output, settled: list[SettledRows] | None,
     prefill = any(count - len(spec.get(req_id, ())) > 1 for req_id, count in scheduled.items())
     if last is None or prefill or not scheduled:
         return
-    mode, seconds = proposer.ran_mode, max(now - last - preparation, 0.0)
+    mode, seconds = measured.ran, max(now - last - preparation, 0.0)
     # without settled rows (no tree verified) every scheduled request emitted one token
     batch = len(scheduled) if settled is None else len(settled)
     if proposer.guard is not None:
         guard = proposer.guard
         credited = float(batch) if settled is None else guard.credited_tokens(
             [len(s.next_tokens) for s in settled])  # the median request's, times the batch
-        choice = proposer.last_choice  # the measured step's (proposals reset it later)
+        choice = measured.choice
         if proposer.scout is not None and mode is StepMode.CHAIN and choice is not None:
             # the scout's correction learns how the sizer's predictions, credited as the
             # guard credits a step, fare as the guard counts them (a batch's chain step
             # charged, a stall capped)
             proposer.scout.observe(proposer.predicted_credit(choice, batch), choice.step_ms,
                                    credited, guard.counted_seconds(mode, batch, seconds))
-            if proposer.scout_fired:
+            if measured.scout_fired:
                 proposer.scout.fired_step(gained=credited > batch)
         guard.observe(mode, batch, credited, seconds)
     if forward_ms is not None:
