@@ -297,8 +297,11 @@ class GraftTreeBuilder:
             context = tuple(part.to(self.device).long().contiguous() for part in context)
         if partitions is not None:
             partitions = partitions.to(self.device).long().contiguous()
+        # on a CPU, reading who drafts on at each checkpoint costs nothing and spares
+        # the drafter the stopped requests' rows; on a GPU it is a wait for the host
+        compact = not self.wait_free and self.device.type == "cpu"
         buffers = self.fused.build(roots.contiguous(), drafter, context, partitions,
-                                   self.matrix.table, compact=not self.wait_free)
+                                   self.matrix.table, compact=compact)
         tree = buffers.tree(with_score=self.score_nodes)
         tree = HybridTree(**{f: None if getattr(tree, f) is None else getattr(tree, f).clone()
                              for f in ("tokens", "parents", "depths", "valid", "source",
