@@ -1,7 +1,7 @@
 """The start-up cost profile: a burst of other work during the measurement slows one
 turn of every token count, so the fastest timing of each count stays its own; the
-counts reach a step of full trees; a cached profile that reaches less is measured
-again."""
+counts reach a step of full trees, within a time budget; a cached profile that reaches
+less is measured again, unless its measurement was cut short by that budget."""
 
 import time
 from types import SimpleNamespace
@@ -75,3 +75,38 @@ def test_a_cached_profile_that_reaches_too_few_tokens_is_measured_again(tmp_path
     # a pinned profile is what its writer wants, whatever it reaches
     CostModel(curves={1: ([1.0, 256.0], [10.0, 20.0])}, key=key, frozen=True).save(path)
     assert _cached(key, [1, 2, 256, 512]) is not None
+    # a measurement its time budget cut short would be cut as short again
+    CostModel(curves={1: ([1.0, 256.0], [10.0, 20.0])}, key=key,
+              requested_tokens=512).save(path)
+    assert _cached(key, [1, 2, 256, 512]) is not None
+    assert _cached(key, [1, 2, 256, 512, 1024]) is None
+
+
+def test_the_measurement_stops_within_its_time_budget():
+    """A slow device (1 ms a token here, the shape of a CPU's bf16 curve) measures the
+    counts whose forwards fit in the budget, and the profile says what it aimed for:
+    a cached profile cut short by its budget is not measured again at every start."""
+    clock = {"ms": 0.0}
+    calls = []
+
+    def timed(n: int) -> float:  # a simulated forward: 5 ms + 1 ms per token
+        calls.append(n)
+        clock["ms"] += 5.0 + n
+        return 5.0 + n
+
+    runner = BurstyRunner(8192, burst=range(0))
+    import vllm_graft.vllm.cost_profile as cost_profile
+
+    real_clock = cost_profile.device_clock
+    cost_profile.device_clock = lambda device: clock["ms"] / 1e3
+    try:
+        counts = [n for n in PROFILE_TOKENS if n <= 8192]
+        model = measure(runner, counts, repeats=5, seconds=2.0, timed=timed)
+    finally:
+        cost_profile.device_clock = real_clock
+    tokens, ms = model.curves[1]
+    assert 2 <= len(tokens) < len(counts) and tokens[-1] <= 512
+    assert clock["ms"] <= 2.0e3  # the whole measurement within its budget
+    assert ms == [5.0 + t for t in tokens]
+    assert model.requested_tokens == counts[-1]
+    assert sum(1 for n in calls if n == 1) >= 3  # cheap counts were repeated

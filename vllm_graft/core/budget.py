@@ -215,6 +215,9 @@ class CostModel:
     key: dict[str, str] = field(default_factory=dict)  # model, device, dtype, layout
     frozen: bool = False  # a pinned profile: no online refresh of curves or step costs
     steps: StepCosts = field(default_factory=StepCosts)
+    #: the query tokens the measurement aimed to reach (0: unknown); a measurement cut
+    #: short by its time budget reaches fewer, and measuring again would too
+    requested_tokens: int = 0
 
     def __post_init__(self):
         if not self.curves:
@@ -378,7 +381,7 @@ class CostModel:
         path = Path(path)
         text = json.dumps({
             "key": self.key, "overhead_ms": self.overhead_ms, "per_node_ms": self.per_node_ms,
-            "frozen": self.frozen,
+            "frozen": self.frozen, "requested_tokens": self.requested_tokens,
             "curves": {str(b): {"tokens": t, "ms": m} for b, (t, m) in self.curves.items()}},
             indent=1)
         # created as open() creates files (the umask's permissions, not mkstemp's 0600)
@@ -404,9 +407,12 @@ class CostModel:
                 raise ValueError("'key' must be an object and 'frozen' true or false")
             curves = {int(b): (list(map(float, c["tokens"])), list(map(float, c["ms"])))
                       for b, c in data["curves"].items()}
+            requested = data.get("requested_tokens", 0)
+            if not isinstance(requested, int) or isinstance(requested, bool) or requested < 0:
+                raise ValueError("'requested_tokens' must be a whole number >= 0")
             model = cls(curves=curves, overhead_ms=float(data.get("overhead_ms", 0.0)),
                         per_node_ms=float(data.get("per_node_ms", 0.0)),
-                        key=key, frozen=frozen)
+                        key=key, frozen=frozen, requested_tokens=requested)
         except (OSError, ValueError, KeyError, TypeError, RecursionError) as error:
             raise ValueError(f"cost profile {path}: {error}") from error
         if expected_key is not None and model.key != expected_key:

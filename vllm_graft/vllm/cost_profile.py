@@ -71,29 +71,64 @@ def profile_path(key: dict[str, str]):
     return default_cache_dir() / "cost-profiles" / f"{digest}.json"
 
 
-def measure(runner, tokens: list[int], repeats: int = 5) -> CostModel:
-    """Fastest of ``repeats`` timings of vLLM's dummy forward at each of ``tokens``.
-    The fastest, not the median: the profile is cached for every later start, and a
-    forward is only ever slowed by what else runs on the device, never sped up.
+#: seconds the start-up measurement may take (a restart is an outage): counts whose
+#: forwards would not fit are left to the curve's extrapolation and to the refresh from
+#: real steps
+PROFILE_SECONDS = 20.0
+
+
+def measure(runner, tokens: list[int], repeats: int = 5,
+            seconds: float = PROFILE_SECONDS, timed=None) -> CostModel:
+    """Fastest of up to ``repeats`` timings of vLLM's dummy forward at each of
+    ``tokens``, within ``seconds``. ``timed(n)``: one forward of ``n`` tokens, its
+    milliseconds (default: the runner's dummy forward).
+
+    Counts are measured in increasing order, each warmed up first (its shape's one-off
+    costs stay out of the times) and timed once, while the next count's two forwards,
+    as the last two points predict them, fit in 60 % of ``seconds``: the first counts
+    always (a curve needs two points), the largest only on a device fast enough. Then
+    whole rounds over the measured counts repeat the timings while the rest of the time
+    lasts, up to ``repeats`` in all.
+
+    The fastest timing, not the median: the profile is cached for every later start,
+    and a forward is only ever slowed by what else runs on the device, never sped up.
     A profile measured beside another job (4 query tokens at 100 ms against 57 for 1
     on this repository's CPU, where an idle machine measures 64) kept every later
-    engine from verifying more than a token or two.
-
-    The repeats take turns over the token counts (every count once, then again), so
-    each count's timings are spread over the whole measurement: a burst of other work
-    slows one turn of every count, not every timing of the counts measured during it.
-    Timed one count after another, a burst that started after the smallest counts had
-    been measured made 8 tokens cost 10 times one token, and no tree was ever verified."""
-    for n in tokens:
-        runner._dummy_run(n)  # warm-up: each shape's one-off costs stay out of the times
-    times = [float("inf")] * len(tokens)
-    for _ in range(repeats):
-        for i, n in enumerate(tokens):
+    engine from verifying more than a token or two. The repeat rounds take turns over
+    the counts, so a burst of other work slows one timing of every count, not every
+    timing of the counts measured during it."""
+    if timed is None:
+        def timed(n: int) -> float:
             start = device_clock(runner.device)
             runner._dummy_run(n)
-            times[i] = min(times[i], (device_clock(runner.device) - start) * 1e3)
+            return (device_clock(runner.device) - start) * 1e3
+    clock = device_clock(runner.device)
+    measured: list[int] = []
+    times: list[float] = []
+    for n in tokens:
+        if len(measured) >= 2:
+            (t0, m0), (t1, m1) = zip(measured[-2:], times[-2:])
+            predicted = m1 + (n - t1) * max(m1 - m0, 0.0) / (t1 - t0)
+            spent = (device_clock(runner.device) - clock) * 1e3
+            # the first rank's clock decides for every rank: the forwards' collectives
+            # hang unless all run the same counts
+            if agree(spent + 2 * predicted > 0.6 * seconds * 1e3):
+                break
+        timed(n)  # warm-up
+        measured.append(n)
+        times.append(timed(n))
+    for _ in range(repeats - 1):
+        spent = (device_clock(runner.device) - clock) * 1e3
+        if agree(spent + sum(times) > seconds * 1e3):
+            break
+        times = [min(ms, timed(n)) for n, ms in zip(measured, times)]
+    if len(measured) < len(tokens):
+        logger.info("Graft: cost profile measured up to %d query tokens within %.0f s; "
+                    "past that it extrapolates and learns from real steps", measured[-1],
+                    seconds)
     # the dummy batch spreads tokens over requests; one curve over total tokens
-    return CostModel(curves={1: ([float(n) for n in tokens], times)}, key=profile_key(runner))
+    return CostModel(curves={1: ([float(n) for n in measured], times)},
+                     key=profile_key(runner), requested_tokens=tokens[-1])
 
 
 def _cached(key: dict[str, str], tokens: list[int]) -> CostModel | None:
@@ -106,7 +141,7 @@ def _cached(key: dict[str, str], tokens: list[int]) -> CostModel | None:
         logger.warning("Graft: ignoring the cached cost profile (%s); measuring again", error)
         return None
     reach = min(curve[0][-1] for curve in model.curves.values())
-    if reach < tokens[-1] and not model.frozen:
+    if reach < tokens[-1] and not model.frozen and model.requested_tokens < tokens[-1]:
         logger.info("Graft: the cached cost profile %s reaches %d query tokens, this engine "
                     "schedules up to %d; measuring again", path, reach, tokens[-1])
         return None

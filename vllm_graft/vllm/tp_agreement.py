@@ -32,9 +32,13 @@ def is_first_rank() -> bool:
 
 
 def agree(value: T) -> T:
-    """The first tensor-parallel rank's ``value``, on every rank (picklable values)."""
+    """The first tensor-parallel rank's ``value``, on every rank (picklable values); the
+    value itself where no tensor-parallel group exists (outside an engine)."""
     from vllm.distributed import get_tp_group
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
 
+    if not model_parallel_is_initialized():
+        return value
     group = get_tp_group()
     if group.world_size == 1:
         return value
