@@ -317,6 +317,9 @@ class GraftConfig(BaseModel):
         "(tree attention runs eagerly between the captured pieces; the first tree steps "
         "are checked against eager forwards, and any difference turns the graphs off); "
         "false: eager mode")
+    max_consecutive_errors: int = Field(
+        16, ge=1, le=1_000_000, description="steps in a row with a failure in Graft's hooks "
+        "(each decoded plainly) after which Graft turns itself off for the engine")
     heap_trim_s: float = Field(
         10.0, ge=0, le=3600, description="seconds of engine steps between two hand-backs "
         "of the memory the C allocator keeps after frees (glibc malloc_trim), so a "

@@ -70,6 +70,8 @@ GRAFT_COUNTERS = {
     "fused_sampled_verifications": "Sampling steps walked by one fused op for the whole "
                                    "batch (temperature, top-k and top-p alone; no "
                                    "per-level sampler calls).",
+    "errors": "Failures in Graft's hooks; each made its step decode plainly "
+              "(vllm_graft/vllm/faults.py).",
     "bookkeeping_us": "Microseconds of Graft's own work outside model forwards.",
     "draft_forward_us": "Microseconds of draft-head forwards (catch-up and tree steps).",
     "tree_attention_us": "Microseconds recomputing tree rows' attention in the target "

@@ -31,6 +31,10 @@ through the general-plugin entry point.
 | 14 | ``v1.engine.EngineCoreOutputs.__annotations__`` (``scheduler_stats``) | carry counters |
 | 15 | ``v1.metrics.loggers.PrometheusStatLogger.__init__`` / ``record`` | export counters |
 
+Every Graft hook of the runner (5-11) is contained (:mod:`vllm_graft.vllm.faults`): an
+exception in one makes its step decode plainly, and enough failing steps in a row turn
+Graft off for the engine.
+
 Outside this list, and not through :func:`apply_all`: the benchmark's worker times the
 target on one in-process CPU engine by wrapping that engine's runner instance's
 ``_model_forward`` and its model's ``compute_logits``
@@ -342,6 +346,7 @@ def _patch_runner() -> list[Patch]:
 
     from vllm_graft.vllm import runner as graft_runner
     from vllm_graft.vllm.config import ADDITIONAL_CONFIG_KEY, cuda_graphs_enabled
+    from vllm_graft.vllm.faults import FaultContainment
     from vllm_graft.vllm.graph_check import ReplayCheck
     from vllm_graft.vllm.proposer import (GraftDFlashProposer, GraftDraftModelProposer,
                                           GraftProposer)
@@ -375,6 +380,8 @@ def _patch_runner() -> list[Patch]:
             vllm_config.speculative_config.method, GraftProposer)
         self.drafter = proposer(self.vllm_config, self.device, self)
         self._graft_stats = graft_runner.GraftStats()
+        self._graft_faults = FaultContainment(
+            self.drafter.settings.config.max_consecutive_errors)
         if cuda_graphs_enabled(vllm_config):
             self._graft_graph_check = ReplayCheck()
 
@@ -420,8 +427,12 @@ def _patch_runner() -> list[Patch]:
     def _update_states(self, scheduler_output, *args, **kwargs):
         if on(self):
             finished = set(scheduler_output.finished_req_ids)
-            self.drafter.forget(finished | set(scheduler_output.preempted_req_ids or ()),
-                                finished=finished)
+            try:
+                self._graft_faults.inject("forget")
+                self.drafter.forget(finished | set(scheduler_output.preempted_req_ids or ()),
+                                    finished=finished)
+            except Exception as error:  # what was not forgotten costs memory, not tokens
+                self._graft_faults.failed("forget", error, self._graft_stats)
         return call_original(cls, "_update_states")(self, scheduler_output, *args, **kwargs)
 
     def _prepare_inputs(self, scheduler_output, *args, **kwargs):
@@ -432,8 +443,14 @@ def _patch_runner() -> list[Patch]:
         else:
             out = original(self, scheduler_output, *args, **kwargs)
         if on(self):
-            self._graft_step = graft_runner.prepare_tree_verification(self, scheduler_output)
-            self._graft_step.num_tokens = scheduler_output.total_num_scheduled_tokens
+            try:
+                self._graft_faults.inject("prepare")
+                step = graft_runner.prepare_tree_verification(self, scheduler_output)
+            except Exception as error:
+                self._graft_faults.failed("prepare", error, self._graft_stats)
+                step = graft_runner.GraftStep(trees=[], plan=None, failed=True)
+            step.num_tokens = scheduler_output.total_num_scheduled_tokens
+            self._graft_step = step
         return out
 
     def _model_forward(self, *args, **kwargs):
@@ -446,15 +463,27 @@ def _patch_runner() -> list[Patch]:
         step.forward_timer = None if sizer is None else SpanTimer(self.device)
         timed = contextlib.nullcontext() if sizer is None else step.forward_timer.span()
         forward = call_original(cls, "_model_forward")
-        with active_plan(step.plan), timed:
-            check = self._graft_graph_check
-            if step.plan is not None and check is not None and check.due():
-                return check.run(self, lambda: forward(self, *args, **kwargs), step.num_tokens)
+        try:
+            with active_plan(step.plan), timed:
+                if step.plan is not None:
+                    self._graft_faults.inject("forward")
+                check = self._graft_graph_check
+                if step.plan is not None and check is not None and check.due():
+                    return check.run(self, lambda: forward(self, *args, **kwargs),
+                                     step.num_tokens)
+                return forward(self, *args, **kwargs)
+        except Exception as error:
+            if step.plan is None:  # not Graft's: the plain forward itself failed
+                raise
+            # the tree attention failed: the forward again, causally; the roots' rows
+            # see only the prefix, and the step is sampled from them
+            self._graft_faults.failed("forward", error, self._graft_stats)
+            step.failed, step.plan, step.forward_timer = True, None, None
             return forward(self, *args, **kwargs)
 
     def _sample(self, logits, spec_decode_metadata):
         if on(self) and spec_decode_metadata is not None:
-            return graft_runner.sample_with_trees(self, logits, spec_decode_metadata)
+            return graft_runner.sample_contained(self, logits, spec_decode_metadata)
         return call_original(cls, "_sample")(self, logits, spec_decode_metadata)
 
     def _input_fits_in_drafter(self, common_attn_metadata):
@@ -465,14 +494,25 @@ def _patch_runner() -> list[Patch]:
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
                                 hidden_states, sample_hidden_states, aux_hidden_states,
                                 *args, **kwargs):
-        if on(self) and isinstance(self.drafter, GraftDFlashProposer):
-            return graft_runner.propose_with_blocks(
-                self, sampled_token_ids, lambda: call_original(cls, "propose_draft_token_ids")(
-                    self, scheduler_output, sampled_token_ids, sampling_metadata,
-                    hidden_states, sample_hidden_states, aux_hidden_states, *args, **kwargs))
         if on(self):
-            return graft_runner.propose_with_trees(self, scheduler_output, sampled_token_ids,
-                                                   aux_hidden_states or [hidden_states])
+            faults = self._graft_faults
+            if faults.off:
+                return graft_runner.propose_nothing(self)
+            try:
+                faults.inject("propose")
+                if isinstance(self.drafter, GraftDFlashProposer):
+                    return graft_runner.propose_with_blocks(
+                        self, sampled_token_ids, lambda: call_original(
+                            cls, "propose_draft_token_ids")(
+                            self, scheduler_output, sampled_token_ids, sampling_metadata,
+                            hidden_states, sample_hidden_states, aux_hidden_states, *args,
+                            **kwargs))
+                return graft_runner.propose_with_trees(self, scheduler_output,
+                                                       sampled_token_ids,
+                                                       aux_hidden_states or [hidden_states])
+            except Exception as error:
+                faults.failed("propose", error, self._graft_stats)
+                return graft_runner.propose_nothing(self)
         return call_original(cls, "propose_draft_token_ids")(
             self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
             sample_hidden_states, aux_hidden_states, *args, **kwargs)
@@ -480,15 +520,20 @@ def _patch_runner() -> list[Patch]:
     def sample_tokens(self, *args, **kwargs):
         output = call_original(cls, "sample_tokens")(self, *args, **kwargs)
         if on(self) and output is not None:
-            trimmed = self.drafter.heap_trimmer.maybe_trim()
-            if trimmed is not None:
-                self._graft_stats.counts["heap_trims"] += 1
-                self._graft_stats.add_seconds("heap_trim", trimmed)
+            try:
+                self._graft_faults.inject("after")
+                trimmed = self.drafter.heap_trimmer.maybe_trim()
+                if trimmed is not None:
+                    self._graft_stats.counts["heap_trims"] += 1
+                    self._graft_stats.add_seconds("heap_trim", trimmed)
+                if self.drafter.state_keeper is not None:
+                    self.drafter.state_keeper.maybe_save()
+            except Exception as error:
+                self._graft_faults.failed("after", error, self._graft_stats)
+            self._graft_faults.end_step()
             counts = self._graft_stats.take()
             if counts:
                 output.graft_stats = counts
-            if self.drafter.state_keeper is not None:
-                self.drafter.state_keeper.maybe_save()
         return output
 
     def _dummy_sampler_run(self, hidden_states, *args, **kwargs):

@@ -78,6 +78,8 @@ class GraftStep:
     num_tokens: int = 0  # query tokens of the step's forward
     #: times the forward with budget "auto" (CUDA events on a GPU: no synchronisation)
     forward_timer: SpanTimer | None = None
+    #: a Graft hook of this step failed: the step decodes plainly (vllm_graft.vllm.faults)
+    failed: bool = False
 
     def take_forward_ms(self) -> float | None:
         """The forward's time in ms, once (None: not timed); call it after a
@@ -214,6 +216,41 @@ def _frozen_generators(generators: dict[int, torch.Generator], rows) -> None:
     finally:
         for row, state in saved.items():
             generators[row].set_state(state)
+
+
+def sample_contained(runner, logits: torch.Tensor, spec_decode_metadata) -> SamplerOutput:
+    """:func:`sample_with_trees`, or, when it fails or a hook before it failed in this
+    step, plain decoding of every request's first row (its root) by vLLM's sampler,
+    with seeded requests' random streams as they were before the failed attempt
+    (:mod:`vllm_graft.vllm.faults`)."""
+    step: GraftStep | None = runner._graft_step
+    faults = runner._graft_faults
+    generators = runner.input_batch.sampling_metadata.generators
+    if step is None or not step.failed:
+        saved = {row: generator.get_state() for row, generator in generators.items()}
+        try:
+            faults.inject("sample")
+            return sample_with_trees(runner, logits, spec_decode_metadata)
+        except Exception as error:
+            faults.failed("sample", error, runner._graft_stats)
+            for row, state in saved.items():
+                generators[row].set_state(state)
+    if step is not None:  # nothing of this step was verified
+        step.failed, step.trees, step.plan, step.result = True, [], None, None
+    num_sampled = torch.as_tensor(spec_decode_metadata.num_draft_tokens,
+                                  device=logits.device) + 1
+    roots = torch.cumsum(num_sampled, 0) - num_sampled
+    return runner.sampler(logits=logits[roots],
+                          sampling_metadata=runner.input_batch.sampling_metadata)
+
+
+def propose_nothing(runner) -> list[list[int]]:
+    """No drafts for any request this step (a plain step to come), what a failed or
+    switched-off drafting round proposes."""
+    runner._graft_step = None
+    runner._graft_proposal = StepProposal(mode=StepMode.PLAIN, ran=StepMode.PLAIN,
+                                          drafts=[[] for _ in runner.input_batch.req_ids])
+    return runner._graft_proposal.drafts
 
 
 def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> SamplerOutput:
