@@ -94,3 +94,52 @@ def test_slot_readers_read_what_was_written(layout):
     by_slot_k, by_slot_v = ta.read_slots(reader, cache, table[positions // 16] * 16 + positions % 16)
     assert torch.equal(seq_k[:, positions].transpose(0, 1), by_slot_k)
     assert torch.equal(seq_v[:, positions].transpose(0, 1), by_slot_v)
+
+
+class _WriterPacked:
+    """A layout none of the known readers reads, as vLLM's CPU backend with its AMX kernels
+    packs a block: per (block, head), K in pairs of dimensions interleaved over the
+    block's positions (``[head / 2, block, 2]``), then V position-major."""
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slots):
+        blocks, heads, block, two_head = kv_cache.shape
+        head = two_head // 2
+        flat = kv_cache.view(blocks, heads, 2, block * head)
+        for i, slot in enumerate(slots.tolist()):
+            b, o = divmod(slot, block)
+            packed = flat[b, :, 0].view(heads, head // 2, block, 2)
+            packed[:, :, o, :] = key[i].view(heads, head // 2, 2)
+            flat[b, :, 1].view(heads, block, head)[:, o] = value[i]
+
+
+class _WriterLossy:
+    """Writes V over K: no reader can read it back."""
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slots):
+        block = kv_cache.shape[2]
+        for i, slot in enumerate(slots.tolist()):
+            kv_cache[slot // block, :, slot % block, :8] = value[i]
+            kv_cache[slot // block, :, slot % block, 8:] = value[i]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_unknown_packed_layout_is_probed_and_read_exactly(dtype):
+    writer, cache = _WriterPacked(), torch.zeros(6, 2, 16, 16, dtype=dtype)
+    reader = ta.kv_reader(writer, _Layer(), cache)
+    assert isinstance(reader, ta.ProbedLayout)
+    generator = torch.Generator().manual_seed(4)
+    keys = torch.randn(20, 2, 8, generator=generator).to(dtype)
+    values = torch.randn(20, 2, 8, generator=generator).to(dtype)
+    table = torch.tensor([4, 1], dtype=torch.int32)
+    slots = torch.cat([torch.arange(16) + 64, torch.arange(4) + 16])
+    writer.do_kv_cache_update(_Layer(), keys, values, cache, slots)
+    k, v = reader(cache, table, 20)
+    assert torch.equal(k, keys.transpose(0, 1)) and torch.equal(v, values.transpose(0, 1))
+    picked = torch.tensor([19, 0, 16, 5])
+    slot_k, slot_v = ta.read_slots(reader, cache, slots[picked])
+    assert torch.equal(slot_k, keys[picked]) and torch.equal(slot_v, values[picked])
+
+
+def test_a_layout_that_loses_elements_is_refused_even_by_the_probe():
+    with pytest.raises(ta.TreeAttentionError, match="cannot read the paged KV cache"):
+        ta.kv_reader(_WriterLossy(), _Layer(), torch.zeros(6, 2, 16, 16))

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.vllm.conftest import graft_spec
+from tests.vllm.conftest import graft_spec, running_llm, spec_metrics
 from vllm_graft.vllm.kv_blocks import KVLayoutError, PagedKVLayout
 from vllm_graft.vllm.patches import refuse_kv_sharing
 from vllm_graft.vllm.tree_attention import _read_kv_first
@@ -121,3 +121,31 @@ def test_changed_engine_settings_are_logged(tiny_models, caplog):
         config = args.create_engine_config()
     assert config.scheduler_config.async_scheduling is False
     assert "asynchronous scheduling turned off" in caplog.text
+
+
+def _reader_name(worker) -> str:
+    from vllm_graft.vllm.tree_attention import kv_reader
+
+    runner = worker.model_runner
+    layer = next(layer for layer in runner.compilation_config.static_forward_context.values()
+                 if isinstance(getattr(layer, "kv_cache", None), torch.Tensor))
+    reader = kv_reader(layer.impl, layer, layer.kv_cache)
+    return getattr(reader, "__name__", type(reader).__name__)
+
+
+def test_a_bf16_engine_reads_its_cache_whatever_the_cpu_kernels_pack(tiny_models):
+    """In bf16 vLLM's CPU backend packs its cache for the CPU's matrix units where it has
+    them (AMX), in a layout no reader describes: the layout is probed at start-up, and
+    trees are verified (bf16 output equals plain decoding's up to rounding)."""
+    from vllm import SamplingParams
+
+    with running_llm(tiny_models.target, graft_spec(tiny_models.head, budget=60),
+                     dtype="bfloat16", max_num_seqs=4) as llm:
+        outputs = llm.generate(["def fibonacci(n):\n", "for i in range(10):\n"],
+                               SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+                               use_tqdm=False)
+        reader = llm.collective_rpc(_reader_name)[0]
+        metrics = spec_metrics(llm)
+    assert all(len(o.outputs[0].token_ids) == 24 for o in outputs)
+    assert metrics["graft_verified_trees"] > 0, metrics
+    assert reader in ("_read_cpu", "ProbedLayout"), reader

@@ -215,9 +215,82 @@ SLOT_READERS = {_read_cpu: _slots_cpu, _read_heads_kv_last: _slots_heads_kv_last
                 _read_kv_first: _slots_kv_first, _read_kv_second: _slots_kv_second}
 
 
+class ProbedLayout:
+    """A blocks-first cache whose layout inside a block is none of the above (vLLM's CPU
+    backend with its AMX kernels, for one, packs K for its matrix units), read through
+    where the backend's own cache update puts each element: ``index[kind, head,
+    offset, dim]`` is the flat position, inside a block, of K (kind 0) or V (kind 1) of
+    ``head`` at ``offset`` in the block, dimension ``dim`` (:func:`probe_layout`)."""
+
+    def __init__(self, index: torch.Tensor):
+        self.index = index  # [2, kv_heads, block_size, head] int64
+        self.block_size = index.shape[2]
+
+    def __call__(self, kv_cache, block_table, length):
+        _, heads, block_size, head = self.index.shape
+        blocks = (length + block_size - 1) // block_size
+        flat = kv_cache[block_table[:blocks].long()].reshape(blocks, -1)
+        kv = flat[:, self.index.to(flat.device).reshape(-1)].reshape(
+            blocks, 2, heads, block_size, head)
+        kv = kv.permute(1, 2, 0, 3, 4).reshape(2, heads, blocks * block_size, head)
+        return kv[0, :, :length], kv[1, :, :length]
+
+    def slots(self, kv_cache, slots):
+        block, offset = slots // self.block_size, slots % self.block_size
+        flat = kv_cache[block].reshape(slots.numel(), -1)  # [N, block elements]
+        index = self.index.to(flat.device)[:, :, offset].permute(2, 0, 1, 3)  # [N, 2, H, D]
+        n = slots.numel()
+        kv = flat.gather(1, index.reshape(n, -1)).reshape(index.shape)
+        return kv[:, 0], kv[:, 1]
+
+
+def probe_layout(impl, layer, kv_cache: torch.Tensor) -> ProbedLayout | None:
+    """Learn a blocks-first layout by writing K and V whose values name their own
+    coordinates (kind, head, position, dimension; small integers, exact in any float
+    dtype) with the backend's own cache update, one coordinate per probe, and reading
+    where each landed. None when the cache is not blocks-first, a block holds anything
+    but one copy of each element, or the coordinates do not fit the dtype exactly."""
+    if kv_cache.dim() < 3 or kv_cache.shape[0] == 2:
+        return None
+    heads, head = layer.num_kv_heads, layer.head_size
+    block_size = kv_cache.shape[2]
+    if max(block_size, head, heads, 2) + 1 > 256:  # bf16 holds integers up to 256 exactly
+        return None
+    scratch = torch.zeros((1, *kv_cache.shape[1:]), dtype=kv_cache.dtype,
+                          device=kv_cache.device)
+    elements = scratch[0].numel()
+    if elements != 2 * heads * block_size * head:
+        return None
+    slots = torch.arange(block_size, device=kv_cache.device)
+    grid = torch.meshgrid(torch.arange(block_size), torch.arange(heads), torch.arange(head),
+                          indexing="ij")  # [position, head, dim] each
+    coordinates = []
+    for probe in range(4):  # kind, head, position, dimension (+ 1: 0 marks unwritten)
+        if probe == 0:
+            k_values, v_values = torch.ones(grid[0].shape), torch.full(grid[0].shape, 2.0)
+        else:
+            values = {1: grid[1], 2: grid[0], 3: grid[2]}[probe].float() + 1
+            k_values, v_values = values, values
+        scratch.zero_()
+        impl.do_kv_cache_update(layer, k_values.to(kv_cache.dtype).to(kv_cache.device),
+                                v_values.to(kv_cache.dtype).to(kv_cache.device), scratch,
+                                slots)
+        coordinates.append(scratch[0].reshape(-1).float().cpu().round().long() - 1)
+    kind, head_of, position, dim = coordinates
+    if bool((kind < 0).any()) or bool((kind > 1).any()):
+        return None
+    index = torch.full((2, heads, block_size, head), -1, dtype=torch.long)
+    index[kind, head_of, position, dim] = torch.arange(elements)
+    if bool((index < 0).any()):
+        return None
+    return ProbedLayout(index)
+
+
 def read_slots(reader, kv_cache: torch.Tensor, slots: torch.Tensor):
     """K and V (``[N, kv_heads, head]`` each) at ``slots`` of a cache that ``reader`` reads.
     Slot numbers are the same whether the cache is viewed in manager or kernel blocks."""
+    if isinstance(reader, ProbedLayout):
+        return reader.slots(kv_cache, slots.long())
     return SLOT_READERS[reader](kv_cache, slots.long())
 
 
@@ -253,7 +326,11 @@ def kv_reader(impl, layer, kv_cache: torch.Tensor):
     positions = torch.arange(length, device=kv_cache.device)
     slots = block_table[positions // block_size].long() * block_size + positions % block_size
     impl.do_kv_cache_update(layer, k.to(kv_cache.device), v.to(kv_cache.device), scratch, slots)
-    for reader in _READERS.get(kv_cache.dim(), ()):
+    readers = list(_READERS.get(kv_cache.dim(), ()))
+    probed = probe_layout(impl, layer, kv_cache)
+    if probed is not None:  # tried last: the known layouts have their own fast paths
+        readers.append(probed)
+    for reader in readers:
         try:
             got_k, got_v = reader(scratch, block_table, length)
         except RuntimeError:
