@@ -1,3 +1,4 @@
+import copy
 import random
 
 import pytest
@@ -39,12 +40,15 @@ def _check_tree(proposal: ContextProposal) -> None:
 
 
 def _reference_proposal(context, min_ngram, max_ngram, max_nodes, max_depth, max_matches,
-                        depth_decay=DEPTH_DECAY) -> ContextProposal:
-    """Brute force: scan the whole context for the suffix, weigh every token path."""
+                        depth_decay=DEPTH_DECAY, ends=None) -> ContextProposal:
+    """Brute force: scan the whole context for the suffix (occurrences ending in
+    ``ends`` only, when given), weigh every token path."""
     length = len(context)
     matches, taken = [], set()
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         for end in range(length - 2, n - 2, -1):
+            if ends is not None and end not in ends:
+                continue
             if end not in taken and context[end - n + 1:end + 1] == context[length - n:]:
                 taken.add(end)
                 matches.append((n, tuple(context[end + 1:end + 1 + max_depth])))
@@ -270,6 +274,176 @@ def test_memory_is_bounded(min_ngram, max_ngram, max_positions):
         assert all(context[e - len(key) + 1:e + 1] == list(key) for e in ends)
 
 
+# ---- indexing that lags the context (a long prompt over several steps) ------------------
+
+
+def _assert_same_table(index: ContextIndex, whole: ContextIndex) -> None:
+    assert list(index.tokens) == list(whole.tokens)
+    assert index._table.positions == whole._table.positions
+    assert index.num_entries() == whole.num_entries()
+
+
+def _lagging_build(rng: random.Random, context: list[int], index: ContextIndex, check):
+    """Feed ``context`` in random chunks, each followed by a catch-up with a random
+    limit (a step's worth, none, or all); ``check(index, limit, done)`` after each."""
+    start = 0
+    while start < len(context):
+        stop = start + rng.choice([0, 1, 1, 2, 7, 40, 150, len(context)])
+        index.append(context[start:stop])
+        start = stop
+        limit = rng.choice([0, 1, 3, 10, 64, None])
+        done = index.catch_up(limit)
+        check(index, limit, done)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_lagging_index_proposes_from_its_indexed_part(seed):
+    """Until it has caught up, an index proposes exactly what a brute-force scan of its
+    indexed end positions would; the indexed positions are one range that only grows."""
+    rng = random.Random(5000 + seed)
+    min_ngram = rng.randint(1, 3)
+    max_ngram = rng.randint(min_ngram, 6)
+    context = _random_context(rng, rng.randint(2, 400), vocab=rng.choice([3, 8, 50]))
+    index = ContextIndex(min_ngram=min_ngram, max_ngram=max_ngram, max_positions=10_000)
+    seen: list[range] = []
+
+    def check(index, limit, done):
+        assert done <= (limit if limit is not None else len(index))
+        indexed = index.indexed
+        assert indexed.start >= min_ngram - 1 and indexed.stop <= max(len(index),
+                                                                      min_ngram - 1)
+        if seen and len(seen[-1]):
+            assert indexed.start <= seen[-1].start and indexed.stop >= seen[-1].stop
+        assert len(indexed) - (len(seen[-1]) if seen else 0) == done
+        assert index.pending == max(len(index) - min_ngram + 1, 0) - len(indexed)
+        seen.append(indexed)
+        max_nodes, max_depth, max_matches = rng.randint(1, 24), rng.randint(1, 10), \
+            rng.randint(1, 10)
+        proposal = index.propose(max_nodes, max_depth, max_matches)
+        _check_tree(proposal)
+        expected = _reference_proposal(list(index.tokens), min_ngram, max_ngram, max_nodes,
+                                       max_depth, max_matches, ends=set(indexed))
+        assert proposal.tokens == expected.tokens
+        assert proposal.parents == expected.parents
+        assert proposal.weights == pytest.approx(expected.weights)
+        assert proposal.match_length == expected.match_length
+
+    _lagging_build(rng, context, index, check)
+    while index.pending:
+        check(index, 5, index.catch_up(5))
+    assert index.indexed == range(min_ngram - 1, max(len(context), min_ngram - 1))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_caught_up_index_equals_the_whole_prompt_index(seed):
+    """Any chunking and any per-step limits: once nothing is pending, the table (hence
+    every proposal) is the one indexing the whole context at once builds, with bounded
+    positions too (the newest-first part keeps only what the oldest-first build keeps)."""
+    rng = random.Random(6000 + seed)
+    kwargs = dict(min_ngram=rng.randint(1, 3), max_ngram=rng.randint(3, 7),
+                  max_positions=rng.choice([1, 2, 3, 8, 32]))
+    context = _random_context(rng, rng.randint(1, 600), vocab=rng.choice([3, 5, 50]))
+    index = ContextIndex(**kwargs)
+    _lagging_build(rng, context, index, lambda *_: None)
+    while index.pending:
+        index.catch_up(rng.randint(1, 50))
+    whole = _index(context, **kwargs)
+    _assert_same_table(index, whole)
+    for _ in range(3):
+        limits = rng.randint(1, 24), rng.randint(1, 12), rng.randint(1, 12)
+        assert index.propose(*limits, lead_nodes=4) == whole.propose(*limits, lead_nodes=4)
+        assert index.best_match(limits[1]) == whole.best_match(limits[1])
+
+
+def test_catch_up_work_is_bounded_and_newest_first():
+    """Each catch-up registers the n-grams of at most ``limit`` end positions, each
+    position once over the whole build, the newest first: a long prompt costs a step a
+    bounded amount of work however long it is."""
+    rng = random.Random(11)
+    context = _random_context(rng, 5000, vocab=20)
+    index = ContextIndex()
+    registered: list[int] = []
+    table = index._table
+    for name in ("register", "register_older"):
+        original = getattr(table, name)
+        setattr(table, name, lambda tokens, end, position, original=original:
+                (registered.append(end), original(tokens, end, position)))
+    index.append(context[:4000])
+    per_step = []
+    while index.pending:
+        before = len(registered)
+        index.append(context[len(index):len(index) + 3])  # a decoding step's tokens
+        assert index.catch_up(256) == len(registered) - before
+        per_step.append(len(registered) - before)
+        if len(per_step) == 1:  # the newest first
+            assert index.indexed == range(len(index) - 256, len(index))
+    assert max(per_step) == 256 and len(per_step) == -(-(len(index) - 1) // 256)
+    assert sorted(registered) == list(range(1, len(index)))  # each position once
+    # decoding tokens arriving while the prompt waits are indexed ahead of it
+    assert registered.index(4001) < registered.index(3000)
+    _assert_same_table(index, _index(index.tokens))
+
+
+def test_extend_indexes_everything_pending():
+    index = ContextIndex()
+    index.append([1, 2, 3, 1, 2])
+    assert index.pending == 4 and index.propose(4, 4, 4) == ContextProposal.empty()
+    index.extend([3, 1, 2])
+    assert index.pending == 0
+    _assert_same_table(index, _index([1, 2, 3, 1, 2, 3, 1, 2]))
+    assert index.propose(4, 4, 4).tokens[:2] == [3, 1]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_truncate_equals_indexing_what_is_kept(seed):
+    """A rewound history: cutting the index back, lagging or not, then going on with
+    other tokens builds the table indexing the new context would (positions unbounded;
+    bounded, see the next test); cutting and adding the same tokens back changes
+    nothing at all."""
+    rng = random.Random(7000 + seed)
+    kwargs = dict(min_ngram=rng.randint(1, 3), max_ngram=rng.randint(3, 6))
+    context = _random_context(rng, rng.randint(1, 300), vocab=rng.choice([3, 8]))
+    index = ContextIndex(max_positions=10_000, **kwargs)
+    _lagging_build(rng, context, index, lambda *_: None)
+    keep = rng.randint(0, len(context))
+    index.truncate(keep)
+    assert list(index.tokens) == context[:keep]
+    assert set(index.indexed) <= set(range(keep))
+    tail = _random_context(rng, rng.randint(1, 100), vocab=3)
+    index.append(tail)
+    index.catch_up(rng.choice([0, 5, None]))
+    while index.pending:
+        index.catch_up(7)
+    _assert_same_table(index, _index(context[:keep] + tail, max_positions=10_000, **kwargs))
+
+    bounded = ContextIndex(max_positions=rng.randint(1, 4), **kwargs)
+    bounded.extend(context)
+    saved = copy.deepcopy(bounded._table.positions)
+    bounded.truncate(keep)
+    bounded.extend(context[keep:])
+    assert bounded._table.positions == saved
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_truncate_with_bounded_positions_keeps_real_occurrences(seed):
+    """With ``max_positions`` reached, positions dropped for newer ones that the cut
+    removed are not recovered: each key holds a subset of what a rebuilt index holds
+    (fewer matches, still real ones)."""
+    rng = random.Random(8000 + seed)
+    context = _random_context(rng, 400, vocab=3)
+    index = _index(context, max_positions=3)
+    keep = rng.randint(0, 400)
+    index.truncate(keep)
+    rebuilt = _index(context[:keep], max_positions=3)
+    entries = 0
+    for key in index._table.positions:
+        held = index._table.get(key)
+        assert list(held) == sorted(held)
+        assert set(held) <= set(rebuilt._table.get(key))
+        entries += len(held)
+    assert entries == index.num_entries() <= rebuilt.num_entries()
+
+
 # ---- the shared index -------------------------------------------------------------------
 
 
@@ -396,6 +570,8 @@ def test_proposals_to_tensors_empty_shapes():
     (lambda: ContextIndex().propose(4, 4, 4, shared_discount=1.5), "shared_discount"),
     (lambda: RecentOutputsIndex().matches([1, 2], -1, 4), "max_matches"),
     (lambda: proposals_to_tensors([], width=-1), "width"),
+    (lambda: ContextIndex().catch_up(-1), "limit"),
+    (lambda: ContextIndex().truncate(-1), "length"),
 ])
 def test_invalid_arguments_name_the_argument(make, name):
     with pytest.raises(ValueError, match=rf"^{name} must be"):

@@ -113,3 +113,138 @@ def test_sampling_with_context_copies_matches_plain_sampling(tiny_models):
     assert metrics["graft_accepted_context"] > SAMPLES // 20, metrics  # about 300
     pvalues = distribution_pvalues(plain, got)
     assert min(pvalues.values()) > 1e-4, pvalues
+
+
+# ---- a long prompt is indexed over several steps ----------------------------------------
+
+
+def _fake_proposer(step: int):
+    """What :meth:`GraftTreeDrafting._context_index` reads of its proposer."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(context_indexes={}, prompt_lengths={}, CONTEXT_INDEX_STEP=step,
+                           context_config=SimpleNamespace(min_ngram=2, max_ngram=8))
+
+
+def _fake_runner(tokens: list[int], prompt_len: int):
+    """A persistent batch of one request whose token table holds ``tokens``."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    table = np.zeros((1, len(tokens) + 8), dtype=np.int32)
+    table[0, :len(tokens)] = tokens
+    return SimpleNamespace(input_batch=SimpleNamespace(req_ids=["r"], token_ids_cpu=table),
+                           requests={"r": SimpleNamespace(num_prompt_tokens=prompt_len)})
+
+
+def _settled(tokens: list[int], first: int, count: int):
+    """Rows settling positions ``first .. first + count - 1`` (their next tokens)."""
+    from vllm_graft.vllm.proposer import SettledRows
+
+    return SettledRows(batch_row=0, rows=list(range(count)),
+                       next_tokens=tokens[first + 1:first + count + 1],
+                       first_position=first, first_token=tokens[first], drafts=True)
+
+
+def test_context_index_takes_a_long_prompt_over_bounded_steps():
+    """A prompt's first drafting step holds its whole context, but the index takes in at
+    most CONTEXT_INDEX_STEP positions a step (newest first), proposes from that part
+    meanwhile, and ends as the whole prompt's index; a second call in the same step does
+    no work."""
+    import random
+
+    from vllm_graft.core.context import ContextIndex
+    from vllm_graft.vllm.proposer import GraftTreeDrafting
+
+    rng = random.Random(0)
+    prompt_len, step, chunk = 3000, 256, 512
+    tokens = [rng.randrange(50) for _ in range(prompt_len + 40)]
+    runner, proposer = _fake_runner(tokens, prompt_len), _fake_proposer(step)
+    index_of = GraftTreeDrafting._context_index
+
+    # the last prefill chunk drafts: it settles prompt_len - chunk .. prompt_len - 1
+    first, count, grown = prompt_len - chunk, chunk, []
+    while True:
+        index = index_of(proposer, runner, _settled(tokens, first, count))
+        assert list(index.tokens) == tokens[:first + count + 1]
+        grown.append(len(index.indexed))
+        again = index_of(proposer, runner, _settled(tokens, first, count))
+        assert again is index and len(index.indexed) == grown[-1]  # the same step
+        if not index.pending:
+            break
+        first, count = first + count, 1  # a decoding step
+    increments = [b - a for a, b in zip([0] + grown, grown)]
+    assert max(increments) == step and len(grown) == -(-prompt_len // step)
+    whole = ContextIndex()
+    whole.extend(tokens[:len(index)])
+    assert index._table.positions == whole._table.positions
+    assert proposer.prompt_lengths == {"r": prompt_len}
+
+
+def test_context_index_is_cut_back_not_rebuilt_on_a_rewind():
+    """A rewound history (the same tokens up to the step's first position) truncates the
+    index; a different history starts a new one."""
+    from vllm_graft.core.context import ContextIndex
+    from vllm_graft.vllm.proposer import GraftTreeDrafting
+
+    tokens = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3, 4] * 10
+    runner, proposer = _fake_runner(tokens, 20), _fake_proposer(1000)
+    index_of = GraftTreeDrafting._context_index
+    index = index_of(proposer, runner, _settled(tokens, 60, 40))
+    assert len(index) == 101
+    rewound = index_of(proposer, runner, _settled(tokens, 70, 3))
+    assert rewound is index and list(index.tokens) == tokens[:74]
+    whole = ContextIndex()
+    whole.extend(tokens[:74])
+    assert index._table.positions == whole._table.positions
+
+    other = list(tokens)
+    other[50] = 9
+    runner.input_batch.token_ids_cpu[0, :len(other)] = other
+    fresh = index_of(proposer, runner, _settled(other, 50, 2))
+    assert fresh is not index and list(fresh.tokens) == other[:53]
+    assert proposer.context_indexes["r"] is fresh
+
+
+def test_lagging_index_with_chunked_prefill_and_preemption_is_lossless(tiny_models,
+                                                                       monkeypatch):
+    """Long-ish prompts prefilled in several chunks, a per-step indexing limit small
+    enough that each index lags its context for many steps, and a KV cache small enough
+    to preempt: greedy output stays plain decoding's, copies are still accepted, and no
+    catch-up took in more than the limit."""
+    from vllm import SamplingParams
+
+    from tests.vllm.conftest import engine_stats
+    from tests.vllm.test_scheduling_edges import PROMPTS as EDGE_PROMPTS
+    from vllm_graft.core.context import ContextIndex
+    from vllm_graft.vllm.proposer import GraftTreeDrafting
+
+    step = 16
+    prompts = [p * 8 for p in COPY_PROMPTS] + [p * 2 for p in EDGE_PROMPTS[:4]]
+    params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+    engine = dict(num_gpu_blocks_override=24, block_size=32, max_num_seqs=6,
+                  max_model_len=512, max_num_batched_tokens=64)
+    with running_llm(tiny_models.target, **engine) as llm:
+        plain = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params,
+                                                                     use_tqdm=False)]
+    catch_ups: list[tuple[int, int]] = []  # (positions taken in, still pending)
+    original = ContextIndex.catch_up
+
+    def recorded(index, limit=None):
+        done = original(index, limit)
+        catch_ups.append((done, index.pending))
+        return done
+
+    monkeypatch.setattr(GraftTreeDrafting, "CONTEXT_INDEX_STEP", step)
+    monkeypatch.setattr(ContextIndex, "catch_up", recorded)
+    with running_llm(tiny_models.target, graft_spec(tiny_models.head, budget=60),
+                     **engine) as llm:
+        graft = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params,
+                                                                     use_tqdm=False)]
+        stats, metrics = engine_stats(llm), spec_metrics(llm)
+    assert graft == plain
+    assert stats.get("vllm:num_preemptions", 0) > 0, "the KV cache was not small enough"
+    assert max(done for done, _ in catch_ups) == step
+    assert sum(pending > 100 for _, pending in catch_ups) > 10, "no index lagged"
+    assert metrics["graft_accepted_context"] > 0, metrics

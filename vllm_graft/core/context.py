@@ -12,7 +12,9 @@ the whole context for the suffix (vLLM's n-gram proposer) costs time linear in i
 length every step. Each key keeps only its most recent ``max_positions`` end
 positions, which bounds memory by ``len * (max_ngram - min_ngram + 1)`` entries and
 loses only old occurrences of frequent n-grams, which the most-recent-first rule
-would not pick anyway.
+would not pick anyway. Indexing may lag the context by a bounded amount of work per
+step (:meth:`ContextIndex.catch_up`): a long prompt is indexed newest first over
+several steps, proposing from the part indexed meanwhile.
 
 :class:`RecentOutputsIndex` holds the same hash over recent finished outputs of all
 requests (SuffixDecoding-like), within a token budget; a request with too few matches
@@ -100,8 +102,18 @@ def _as_ints(tokens: Iterable[int]) -> list[int]:
     """Plain ints: numpy or torch scalars would hash by identity or compare slowly."""
     tolist = getattr(tokens, "tolist", None)
     if tolist is not None:  # one conversion for a whole tensor or array
+        dtype = getattr(tokens, "dtype", None)
         tokens = tolist()
+        if _is_integer(dtype) and type(tokens) is list:
+            return tokens  # already plain ints (a 128K-token prompt: 5 ms less)
     return [int(t) for t in tokens]
+
+
+def _is_integer(dtype: Any) -> bool:
+    """Whether a numpy or torch dtype holds integers (their ``tolist`` gives ints)."""
+    if isinstance(dtype, torch.dtype):
+        return not dtype.is_floating_point and not dtype.is_complex and dtype != torch.bool
+    return getattr(dtype, "kind", None) in ("i", "u")
 
 
 def _check_ngram_args(min_ngram: int, max_ngram: int, max_positions: int) -> None:
@@ -160,6 +172,49 @@ class _NgramTable:
             else:
                 table[key] = [found, position]
                 self.num_entries += 1
+
+    def register_older(self, tokens: list[int], end: int, position: object) -> None:
+        """:meth:`register` for a position older than every one the table holds: it is
+        kept only under keys holding fewer than ``max_positions``, at their front, so
+        positions registered newest first end as registering them oldest first would."""
+        table, cap = self.positions, self.max_positions
+        for n in range(self.min_ngram, min(self.max_ngram, end + 1) + 1):
+            key = tuple(tokens[end - n + 1:end + 1])
+            found = table.get(key)
+            if found is None:
+                table[key] = position
+            elif type(found) is list:
+                if len(found) >= cap:
+                    continue
+                found.insert(0, position)
+            elif cap == 1:
+                continue
+            else:
+                table[key] = [position, found]
+            self.num_entries += 1
+
+    def unregister_newest(self, tokens: list[int], end: int, position: object) -> None:
+        """Undo :meth:`register` of ``position``, the newest position under every key
+        that still holds it (one that dropped it for newer ones, since removed, keeps
+        what it has). A key left with one position holds it bare, and an empty key goes,
+        as if ``position`` had never been registered."""
+        table = self.positions
+        for n in range(self.min_ngram, min(self.max_ngram, end + 1) + 1):
+            key = tuple(tokens[end - n + 1:end + 1])
+            found = table.get(key)
+            if found is None:
+                continue
+            if type(found) is list:
+                if found[-1] != position:
+                    continue
+                found.pop()
+                if len(found) == 1:
+                    table[key] = found[0]
+            elif found == position:
+                del table[key]
+            else:
+                continue
+            self.num_entries -= 1
 
     def lookup(self, suffix: Sequence[int], n: int) -> Sequence[Any]:
         """End positions of the last ``n`` tokens of ``suffix``, oldest first."""
@@ -289,11 +344,21 @@ class ContextIndex(_NgramIndex):
     Every n-gram with ``min_ngram <= n <= max_ngram`` maps to its most recent
     ``max_positions`` end positions; :meth:`extend` registers the n-grams that end at
     each new token, so any chunking of the same tokens builds the same index.
+
+    Indexing can lag the context (:meth:`append`, then :meth:`catch_up` with a limit,
+    a few thousand positions per engine step): the indexed end positions are always one
+    contiguous range, which grows up over the positions appended since and then down
+    over the older ones, so a long prompt is indexed newest first over several steps.
+    Lookups read the whole context's suffix and continuations but find only indexed
+    occurrences; once nothing is pending the table is the one :meth:`extend` builds,
+    whatever the order.
     """
 
     def __init__(self, min_ngram: int = 2, max_ngram: int = 8, max_positions: int = 32):
         self._table = _NgramTable(min_ngram, max_ngram, max_positions)
         self._tokens: list[int] = []
+        # indexed end positions: [_low, _high); ends below min_ngram - 1 hold no n-gram
+        self._low = self._high = min_ngram - 1
 
 
     @property
@@ -304,14 +369,69 @@ class ContextIndex(_NgramIndex):
     def __len__(self) -> int:
         return len(self._tokens)
 
+    @property
+    def indexed(self) -> range:
+        """The end positions whose n-grams are indexed (a contiguous range)."""
+        return range(self._low, self._high)
+
+    @property
+    def pending(self) -> int:
+        """End positions holding an n-gram that are not indexed yet."""
+        floor = self.min_ngram - 1
+        return max(len(self._tokens) - floor, 0) - (self._high - self._low)
+
     def extend(self, tokens: Iterable[int]) -> None:
-        """Append ``tokens`` to the context and index the n-grams ending at each."""
-        new = _as_ints(tokens)
-        start = len(self._tokens)
-        self._tokens.extend(new)
-        register, context = self._table.register, self._tokens
-        for end in range(max(start, self.min_ngram - 1), len(context)):
-            register(context, end, end)
+        """Append ``tokens`` to the context and index the n-grams ending at each (and
+        at every position still pending)."""
+        self.append(tokens)
+        self.catch_up()
+
+    def append(self, tokens: Iterable[int]) -> None:
+        """Append ``tokens`` to the context without indexing them (:meth:`catch_up`)."""
+        self._tokens.extend(_as_ints(tokens))
+
+    def catch_up(self, limit: int | None = None) -> int:
+        """Index up to ``limit`` pending end positions (all: ``None``): first
+        those appended since the indexed range, oldest first, then those below it,
+        newest first; with nothing indexed yet, from the newest down. Returns how many
+        it indexed: the work is that many positions' n-grams, however long the context."""
+        if limit is not None:
+            _check_at_least("limit", limit, 0)
+        length, floor = len(self._tokens), self.min_ngram - 1
+        budget = self.pending if limit is None else min(limit, self.pending)
+        if budget == 0:
+            return 0
+        if self._low == self._high:  # nothing indexed: start from the newest position
+            self._low = self._high = max(length, floor)
+        context, table = self._tokens, self._table
+        top = min(length, self._high + budget)
+        for end in range(self._high, top):
+            table.register(context, end, end)
+        done, self._high = top - self._high, top
+        bottom = max(floor, self._low - (budget - done))
+        for end in range(self._low - 1, bottom - 1, -1):
+            table.register_older(context, end, end)
+        done, self._low = done + self._low - bottom, bottom
+        return done
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` tokens (a rewound history), unindexing the rest:
+        the work is the dropped positions', not a rebuild. The table is then the one
+        of indexing those tokens, except that a key which had dropped positions for
+        newer ones now gone keeps fewer than ``max_positions`` (which costs matches,
+        never correctness)."""
+        _check_at_least("length", length, 0)
+        if length >= len(self._tokens):
+            return
+        context, table = self._tokens, self._table
+        cut = max(length, self._low)
+        for end in range(self._high - 1, cut - 1, -1):
+            table.unregister_newest(context, end, end)
+        del context[length:]
+        floor = self.min_ngram - 1
+        self._high = max(min(self._high, length), floor)
+        if self._low >= self._high:  # nothing indexed is left
+            self._low = self._high
 
     def _own_matches(self, max_matches: int, max_depth: int) -> tuple[list[_Match], int]:
         """Earlier occurrences of the suffix, longest first, then most recent first."""

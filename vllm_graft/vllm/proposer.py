@@ -658,23 +658,41 @@ class GraftTreeDrafting:
         """A waiting request (:data:`WAITING`) sat out one more tree step."""
         self.plain_steps[req_id] += 1
 
+    #: context positions a request's index takes in per step at most: a long prompt is
+    #: indexed over several steps (a 128K-token one over 64, each a few ms on a 2-core
+    #: CPU, where indexing it at once stalled every stream's step for about 1 s)
+    CONTEXT_INDEX_STEP = 2048
+
     def _context_index(self, runner, settled: SettledRows) -> ContextIndex:
-        """The request's context index, brought up to its last settled token (the
-        source of its copied continuations). The index grows by the positions settled
-        since the last call: everything up to this step's first position is final in the
-        runner's token table, the rest is ``next_tokens``."""
+        """The request's context index, holding its context up to the last settled token
+        (the source of its copied continuations). The context grows by the positions
+        settled since the last call: everything up to this step's first position is
+        final in the runner's token table, the rest is ``next_tokens``. The index takes
+        in at most :data:`CONTEXT_INDEX_STEP` of the positions not yet indexed per
+        step, newest first (:meth:`ContextIndex.catch_up`); until it has caught up it
+        proposes from the part indexed (copies are only proposals: verification keeps
+        the output plain decoding's). A rewound history is cut back where it still
+        agrees with the runner's table, not rebuilt."""
         req_id = runner.input_batch.req_ids[settled.batch_row]
         index = self.context_indexes.get(req_id)
-        first = settled.first_position
-        config = self.context_config
-        if index is None or len(index) > first + 1:  # new, or its history was rewound
+        first, next_tokens = settled.first_position, settled.next_tokens
+        if index is not None and len(index) > first + 1:  # asked again, or rewound
+            if index.tokens[first] != settled.first_token:
+                index = None  # not this history: start again
+            elif index.tokens[first + 1:] == next_tokens:
+                return index  # this step's positions are in already
+            else:
+                index.truncate(first + 1)
+        if index is None:
+            config = self.context_config
             index = ContextIndex(min_ngram=config.min_ngram, max_ngram=config.max_ngram)
             self.context_indexes[req_id] = index
             self.prompt_lengths[req_id] = runner.requests[req_id].num_prompt_tokens
         if len(index) <= first:
-            index.extend(runner.input_batch.token_ids_cpu[settled.batch_row,
-                                                          len(index):first + 1].tolist())
-        index.extend(settled.next_tokens)
+            index.append(runner.input_batch.token_ids_cpu[settled.batch_row,
+                                                          len(index):first + 1])
+        index.append(next_tokens)
+        index.catch_up(self.CONTEXT_INDEX_STEP)
         return index
 
     @staticmethod
