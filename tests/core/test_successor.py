@@ -150,12 +150,66 @@ def test_save_replaces_atomically_and_leaves_no_temporary(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.bin"]
 
 
-def test_saved_file_gets_the_usual_permissions(tmp_path):
-    """As ``open()`` would create it (the temporary file it replaces is private)."""
+@pytest.mark.parametrize("umask", [0o022, 0o000, 0o077, 0o277])
+def test_saved_file_and_its_temporary_are_private_whatever_the_umask(tmp_path, umask,
+                                                                     monkeypatch):
+    """0600: the file holds what serving learned from users' text. The temporary file
+    is created so (never readable by others, even for an instant), and a file replaced
+    at 0644 comes back 0600."""
+    import os
     import stat
 
     from vllm_graft.core import successor
 
     path = tmp_path / "m.bin"
+    path.write_bytes(b"old")
+    path.chmod(0o644)
+    modes = []
+    write_all = successor._write_all
+
+    def spy(fd, data):  # the temporary file's mode while it is written
+        modes.append(stat.S_IMODE(os.fstat(fd).st_mode))
+        write_all(fd, data)
+    monkeypatch.setattr(successor, "_write_all", spy)
+    old = os.umask(umask)
+    try:
+        _warm_matrix().save(path)
+    finally:
+        os.umask(old)
+    assert modes == [0o600]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.bin"]
+
+
+def test_a_failed_write_leaves_the_last_file_and_no_temporary(tmp_path, monkeypatch):
+    import errno
+
+    from vllm_graft.core import successor
+
+    path = tmp_path / "m.bin"
     _warm_matrix().save(path)
-    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~successor._UMASK
+    before = path.read_bytes()
+
+    def full(fd, data):
+        successor.os.write(fd, data[:100])
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(successor, "_write_all", full)
+    with pytest.raises(OSError, match="No space"):
+        SuccessorMatrix.empty(1000, 4).save(path)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.bin"]
+
+
+def test_temporary_files_match_the_writers_naming_only(tmp_path):
+    from vllm_graft.core.successor import temporary_files
+
+    path = tmp_path / "graft.sm"
+    mine = [".graft.sm.0123456789ab.tmp", ".graft.sm.k3j_x9q2.tmp"]  # now, earlier versions
+    others = ["graft.sm", ".graft.sm.tmp", ".graft.sm..tmp", ".graft.sm.0123456789ab.tmp~",
+              ".graft.sm.ABCDEF012345.tmp", ".other.sm.0123456789ab.tmp",
+              ".graft.sm.0123456789ab.tmp.keep", "graft.sm.corrupt-20250101T000000Z",
+              ".xgraft.sm.0123456789ab.tmp", ".graft.smx.0123456789ab.tmp"]
+    for name in mine + others:
+        (tmp_path / name).write_bytes(b"x")
+    assert [p.name for p in temporary_files(path)] == sorted(mine)
+    assert temporary_files(tmp_path / "missing/graft.sm") == []

@@ -172,18 +172,29 @@ class ContextRetrievalConfig(BaseModel):
 class SuccessorStateConfig(BaseModel):
     """The ``graft.successor_state`` section: the successor matrix the engine learns
     online survives restarts. At start-up the file at ``path`` is loaded when it exists
-    (it wins over ``warmup``; a file for another tokenizer, vocabulary or ``successor_k``,
-    or a truncated or corrupt one, stops start-up with an error naming it); the matrix is
-    written there every ``save_every_s`` seconds of serving (0: never periodically) and
-    when the engine shuts down, atomically, with a checksum, the format version and the
-    tokenizer's fingerprint. Only the first tensor-parallel rank writes (the ranks hold
-    identical matrices)."""
+    (it wins over ``warmup``); the matrix is written there every ``save_every_s`` seconds
+    of serving (0: never periodically) and when the engine shuts down, atomically, with a
+    checksum, the format version and the tokenizer's fingerprint, private to its owner
+    (0600 whatever the umask). Only the first tensor-parallel rank writes (the ranks hold
+    identical matrices); at start-up it removes the temporary files a killed save left
+    beside ``path``. A failed save is logged (once per kind of error until a save
+    succeeds), counted in ``vllm:graft_successor_state_save_failures_total`` and tried
+    again at the next period; serving goes on.
+
+    ``on_corrupt``: what start-up does with a state file it cannot use (unreadable,
+    truncated, corrupt, or for another tokenizer, vocabulary or ``successor_k``):
+    ``"move_aside"`` (default) renames it to ``<path>.corrupt-<UTC time>`` (kept, never
+    deleted), warns naming both paths and starts from ``warmup`` (or empty);
+    ``"refuse"`` stops start-up with an error naming the file."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     path: str = Field(min_length=1, description="the state file (created when missing)")
     save_every_s: float = Field(
         300.0, ge=0.0, description="seconds between periodic saves (0: only at shutdown)")
+    on_corrupt: Literal["move_aside", "refuse"] = Field(
+        "move_aside", description="a state file start-up cannot use: moved aside (the "
+        "engine starts from the warm-up file) or refused (start-up stops)")
 
 
 class IsolationConfig(BaseModel):

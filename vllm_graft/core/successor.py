@@ -8,7 +8,8 @@ through the compiled ops of ``csrc/`` unless the torch reference is asked for.
 
 Files store only touched rows, so a warmed-up matrix is a few hundred KB rather than
 the 4.9 MB of a full Qwen-vocabulary table, with a format version and a SHA-256 of the
-payload; every load error names the file.
+payload; every load error names the file. They are written atomically and private
+(0600, whatever the umask).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import secrets
 import struct
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -242,34 +244,69 @@ class MatrixSnapshot:
         }
         header_bytes = json.dumps(header, sort_keys=True).encode()
         path = Path(path)
-        # a private temporary file, flushed to disk, then renamed over the old one: a
-        # crash or a second writer never leaves a half-written matrix behind
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.",
-                                         suffix=".tmp", delete=False) as f:
-            try:
-                f.write(FILE_MAGIC + _HEADER_LEN.pack(len(header_bytes)) + header_bytes
-                        + payload)
-                f.flush()
-                os.fchmod(f.fileno(), 0o666 & ~_UMASK)  # as open() would create it
-                os.fsync(f.fileno())
-            except BaseException:
-                os.unlink(f.name)
-                raise
+        # a private temporary file (0600 whatever the umask), flushed to disk, then
+        # renamed over the old one: a crash or a second writer never leaves a
+        # half-written matrix behind, and a kill at any moment leaves at most a stray
+        # temporary file (``temporary_files`` finds them)
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}{TEMPORARY_SUFFIX}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+                     | getattr(os, "O_NOFOLLOW", 0), FILE_MODE)
         try:
-            os.replace(f.name, path)
+            try:
+                os.fchmod(fd, FILE_MODE)  # the umask may have taken bits away
+                _write_all(fd, FILE_MAGIC + _HEADER_LEN.pack(len(header_bytes))
+                           + header_bytes + payload)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
         except BaseException:
-            os.unlink(f.name)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
             raise
+        _fsync_folder(path.parent)  # the rename itself survives a power loss
         return path.stat().st_size
 
 
-def _read_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+#: permissions of matrix files and their temporary files, whatever the umask: they hold
+#: what serving learned from users' text
+FILE_MODE = 0o600
+TEMPORARY_SUFFIX = ".tmp"
 
 
-_UMASK = _read_umask()  # read once: setting it is process-wide, not thread-safe
+def temporary_files(path: str | os.PathLike) -> list[Path]:
+    """Temporary files that :meth:`MatrixSnapshot.write` to ``path`` left behind (a
+    writer killed mid-save): ``.<name>.<random>.tmp`` beside it (12 hex digits, or the
+    8 characters of the earlier versions' temporary files), nothing else."""
+    path = Path(path)
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(?:[0-9a-f]{{12}}|[a-z0-9_]{{8}})"
+                         rf"{re.escape(TEMPORARY_SUFFIX)}")
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return []
+    return sorted(path.parent / name for name in names if pattern.fullmatch(name))
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _fsync_folder(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # not every file system syncs folders
+        pass
+    finally:
+        os.close(fd)
 
 
 class BatchView:

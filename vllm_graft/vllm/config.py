@@ -176,7 +176,10 @@ def check_files(config: GraftConfig, *, target_model: str | None, drafter_model:
             config.calibration, config,
             target_fingerprint=_local_fingerprint(target_model),
             drafter_fingerprint=_local_fingerprint(drafter_model))
-    files = [path for path in (config.warmup, config.successor_state_file) if path]
+    # a state file start-up cannot use stops it here under on_corrupt "refuse" only (else
+    # the proposer moves it aside: vllm_graft.vllm.successor_state.load_successor_state)
+    refused = config.successor_state is not None and config.successor_state.on_corrupt == "refuse"
+    files = [path for path in (config.warmup, refused and config.successor_state_file) if path]
     tokenizer = target_tokenizer or (TokenizerRef(target_model) if target_model else None)
     fingerprint = tokenizer.fingerprint() if files and tokenizer else None
     for path in files:

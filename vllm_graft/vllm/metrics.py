@@ -83,6 +83,9 @@ GRAFT_COUNTERS = {
     "heap_trims": "Times the worker handed the memory its C allocator kept after frees "
                   "back to the system (graft.heap_trim_s).",
     "heap_trim_us": "Microseconds those hand-backs took.",
+    "successor_state_save_failures": "Saves of graft.successor_state that failed (disk "
+                                     "full, file too large...); each is tried again at "
+                                     "the next period and serving goes on.",
     "stage_none": "Trees built without drafting (retrieval_only).",
     "stage_full": "Trees whose drafting was not pruned.",
 }

@@ -528,6 +528,9 @@ def _patch_runner() -> list[Patch]:
                     self._graft_stats.add_seconds("heap_trim", trimmed)
                 if self.drafter.state_keeper is not None:
                     self.drafter.state_keeper.maybe_save()
+                    failed = self.drafter.state_keeper.take_failures()
+                    if failed:
+                        self._graft_stats.counts["successor_state_save_failures"] += failed
             except Exception as error:
                 self._graft_faults.failed("after", error, self._graft_stats)
             self._graft_faults.end_step()

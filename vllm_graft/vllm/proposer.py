@@ -54,7 +54,7 @@ from vllm_graft.vllm.heap import HeapTrimmer
 from vllm_graft.vllm.proposal import StepProposal
 from vllm_graft.vllm.sampling import plain_decoding_reason
 from vllm_graft.vllm.successor_state import (SuccessorStateKeeper, is_state_writer,
-                                             matrix_metadata)
+                                             load_successor_state, matrix_metadata)
 from vllm_graft.vllm.timing import SpanTimer
 from vllm_graft.vllm.tp_agreement import agree
 from vllm_graft.vllm.tree_attention import (TreeAttentionPlan, TreeKVStore, TreeRequestPlan,
@@ -236,12 +236,19 @@ class GraftTreeDrafting:
         # the saved state holds what the warm-up taught and what serving taught since;
         # the ops skip their per-call id checks (device syncs on a GPU): every id the
         # engine passes is in range by construction (SuccessorMatrix's doc)
-        source = config.successor_state_file or config.warmup
-        if source is not None:
-            matrix = SuccessorMatrix.load(
-                source, vocab_size=vocab_size, k=config.successor_k,
-                tokenizer_fingerprint=TokenizerRef.fingerprint_of(vllm_config.model_config),
-                device=device, backend=config.ops_backend, check=False)
+        load = dict(vocab_size=vocab_size, k=config.successor_k,
+                    tokenizer_fingerprint=TokenizerRef.fingerprint_of(vllm_config.model_config),
+                    device=device, backend=config.ops_backend, check=False)
+        writer = config.successor_state is not None and is_state_writer(vllm_config)
+        matrix = source = None
+        if config.successor_state is not None:  # a file it cannot use: on_corrupt decides
+            matrix = load_successor_state(config.successor_state, writer=writer, fallback=(
+                f"the warm-up file {config.warmup}" if config.warmup else "an empty matrix"),
+                **load)
+            source = config.successor_state.path
+        if matrix is None and config.warmup is not None:
+            matrix, source = SuccessorMatrix.load(config.warmup, **load), config.warmup
+        if matrix is not None:
             logger.info("Graft: successor matrix from %s (%d rows)", source,
                         int(matrix.touched_rows().numel()))
         else:
@@ -251,7 +258,7 @@ class GraftTreeDrafting:
         if config.successor_state is not None:
             self.state_keeper = SuccessorStateKeeper(
                 config.successor_state, lambda: self.matrix, matrix_metadata(vllm_config),
-                writer=is_state_writer(vllm_config))
+                writer=writer)
         # the worker's heap, handed back now and then (graft.heap_trim_s)
         self.heap_trimmer = HeapTrimmer(config.heap_trim_s)
         # budget "auto": the sizer exists once the runner measured the cost profile
