@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_graft.core.isolation import NO_PARTITION, IsolationMode, MatrixPartitions
+from vllm_graft.core.isolation import NO_PARTITION, IsolationMode, MatrixPartitions, Unnamed
 from vllm_graft.core.successor import EMPTY, SuccessorMatrix
 
 VOCAB, K = 50, 4
@@ -81,6 +81,64 @@ def test_least_recently_used_idle_tenant_is_evicted_and_reset():
     assert iso.assign("a3", "a") == 1
 
 
+def test_requests_naming_no_tenant_get_private_seeded_matrices():
+    """The default: each request that names no tenant learns into its own copy of the
+    seed, freed when it ends; the next owner of that partition gets the seed again."""
+    matrix = _seeded()
+    seed = matrix.partition(0).clone()
+    iso = MatrixPartitions(IsolationMode.TENANT, matrix, max_matrices=3)
+    assert iso.assign("u1") == 0 and iso.assign("u2") == 1 and iso.assign("a1", "acme") == 2
+    matrix.update_from_logits_(torch.tensor([1, 9]), _logits_for(42, 2),
+                               partitions=iso.partitions(["u1", "u1"], "cpu"))
+    assert matrix.partition(0)[1, 0] == 42 and matrix.partition(1)[1, 0] == 3
+    assert iso.assign("u3") == NO_PARTITION  # every matrix held: no one else's matrix
+    iso.release("u1")  # its private matrix dies with it
+    assert iso.assign("u3") == 0 and torch.equal(matrix.partition(0), seed)
+    iso.release("a1")  # a tenant's matrix outlives its requests
+    assert iso.assign("a2", "acme") == 2
+    iso.release("u2")
+    iso.release("a2")
+    matrix.partition(2)[9] = 33  # acme learned something; idle now
+    assert iso.assign("t1", "tenant-2") == 1  # a free partition first
+    assert iso.assign("u4") == 2 and iso.evictions == 1  # then the idle tenant's, reset
+    assert torch.equal(matrix.partition(2), seed)
+
+
+def test_requests_naming_no_tenant_may_share_one_matrix():
+    matrix = _seeded()
+    iso = MatrixPartitions(IsolationMode.TENANT, matrix, max_matrices=3)
+    assert iso.assign("u1", None, Unnamed.SHARED) == 0
+    assert iso.assign("u2", None, "shared") == 0
+    matrix.partition(0)[9] = 33
+    iso.release("u1")
+    iso.release("u2")
+    assert iso.assign("u3", None, "shared") == 0 and (matrix.partition(0)[9] == 33).all()
+    assert iso.assign("p1") == 1  # a private one beside it
+    assert iso.assign("t1", "") == 2  # an empty name is a tenant too, not the unnamed
+
+
+def test_a_reused_partition_never_shows_its_last_owners_rows():
+    """Whatever sequence of owners takes a partition (tenants, private requests), each
+    new owner starts from the seed."""
+    matrix = _seeded()
+    seed = matrix.partition(0).clone()
+    iso = MatrixPartitions(IsolationMode.TENANT, matrix, max_matrices=2)
+    generator = torch.Generator().manual_seed(0)
+    fresh_owners = 0
+    for step in range(60):
+        pick = int(torch.randint(0, 5, (1,), generator=generator))
+        req, tenant = f"r{step}", None if pick == 4 else f"t{pick}"
+        owners_before = set(iso.owner_of)
+        partition = iso.assign(req, tenant)
+        assert partition != NO_PARTITION  # one request at a time: never all held
+        if iso._owner(req, tenant, "private") not in owners_before:
+            fresh_owners += 1
+            assert torch.equal(matrix.partition(partition), seed), step
+        matrix.partition(partition)[10 + step % 5] = step  # the owner teaches
+        iso.release(req)
+    assert iso.evictions > 5 and fresh_owners > 20
+
+
 def test_request_mode_frees_a_private_matrix_when_the_request_ends():
     matrix = _seeded()
     iso = MatrixPartitions(IsolationMode.REQUEST, matrix, max_matrices=2)
@@ -123,3 +181,30 @@ def test_cross_request_context_needs_global_isolation():
     with pytest.raises(GraftConfigError, match="cross_request .* needs isolation 'global'"):
         GraftConfig.from_dict({"context": {"cross_request": True}})
     GraftConfig.from_dict({"context": {"cross_request": True}, "isolation": "global"})
+
+
+@pytest.mark.parametrize("isolation, message", [
+    ({"tenant_source": "usr"}, "graft.isolation.tenant_source: must be one of 'user'"),
+    ({"tenant_source": "header:"}, "graft.isolation.tenant_source: .*header name"),
+    ({"tenant_source": "header:X Tenant"}, "graft.isolation.tenant_source"),
+    ({"tenant_source": "user:x"}, "graft.isolation.tenant_source"),
+    ({"tenant_source": "header:" + "x" * 65}, "graft.isolation.tenant_source"),
+    ({"unnamed": "public"}, "graft.isolation.unnamed"),
+    ({"max_matrices": 0}, "graft.isolation.max_matrices"),
+])
+def test_isolation_errors_name_the_key(isolation, message):
+    from vllm_graft.core.config import GraftConfig, GraftConfigError
+
+    with pytest.raises(GraftConfigError, match=message):
+        GraftConfig.from_dict({"isolation": isolation})
+
+
+def test_isolation_defaults_and_sources():
+    from vllm_graft.core.config import GraftConfig
+
+    default = GraftConfig.from_dict({}).isolation
+    assert (default.mode, default.tenant_source, default.unnamed) == ("tenant", "user",
+                                                                      "private")
+    for source in ("user", "cache_salt", "extra", "header:X-Graft-Tenant", "header:x"):
+        assert GraftConfig.from_dict({"isolation": {"tenant_source": source}}
+                                     ).isolation.tenant_source == source

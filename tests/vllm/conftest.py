@@ -52,8 +52,12 @@ def running_llm(model: Path, speculative_config=None, **kwargs):
 def graft_spec(head: Path, **graft) -> dict:
     """A Graft speculative config; trees of a fixed budget of 60 unless ``budget`` is
     given (the product's default, budget "auto", picks each step's mode by measured
-    speed, which tests about trees must not depend on)."""
-    return {"method": "graft", "model": str(head), "graft": {"budget": 60, **graft}}
+    speed, which tests about trees must not depend on), and one successor matrix for
+    all requests unless ``isolation`` is given (tests counting retrieved nodes expect a
+    matrix that learns from every request; the private default is tested where
+    isolation is the subject)."""
+    return {"method": "graft", "model": str(head),
+            "graft": {"budget": 60, "isolation": "global", **graft}}
 
 
 def spec_metrics(llm) -> dict:
@@ -115,3 +119,16 @@ def plain_outputs(tiny_models):
 
     with running_llm(tiny_models.target) as llm:
         return greedy_token_ids(llm, PROMPTS, MAX_TOKENS)
+
+
+def server_env(**extra: str) -> dict[str, str]:
+    """The environment of a ``vllm-graft serve`` subprocess started by a test: its own
+    engine process, and no GNU OpenMP preloaded (an in-process engine of an earlier test
+    preloads PyTorch's in this process's environment; the server's CLI preloads Intel
+    OpenMP, and vLLM refuses both at start-up)."""
+    import os
+
+    preload = [lib for lib in os.environ.get("LD_PRELOAD", "").split(":")
+               if lib and "libgomp" not in lib]
+    return {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+            "LD_PRELOAD": ":".join(preload), **extra}

@@ -7,7 +7,6 @@ steps in a row Graft turns itself off and the engine decodes plainly."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.conftest import graft_spec, running_llm, spec_metrics
+from tests.vllm.conftest import graft_spec, running_llm, server_env, spec_metrics
 from tests.vllm.test_serve import _free_port, _get, _open_stream, _post, _read_stream_chunks
 from vllm_graft.vllm.faults import INJECT_ENV
 
@@ -107,7 +106,7 @@ def test_the_server_serves_through_faults_under_streaming_load(tiny_models, plai
     config.write_text(json.dumps(graft_spec(tiny_models.head, budget=60,
                                             max_consecutive_errors=10**6)))
     port = _free_port()
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", INJECT_ENV: "rate=0.2,seed=3"}
+    env = server_env(**{INJECT_ENV: "rate=0.2,seed=3"})
     log = open(tmp_path / "serve.log", "w")
     server = subprocess.Popen(
         [sys.executable, "-m", "vllm_graft.cli.main", "serve", str(tiny_models.target),

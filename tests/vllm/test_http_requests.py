@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.conftest import graft_spec
+from tests.vllm.conftest import graft_spec, server_env
 from tests.vllm.test_serve import _free_port, _get, _post
 
 MAX_MODEL_LEN = 256
@@ -40,7 +40,7 @@ class Server:
         self.log = open(self.log_path, "w")
         self.process = subprocess.Popen(
             args, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+            env=server_env())
         self.base = f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout: float = 240) -> None:

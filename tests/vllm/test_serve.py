@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 
 from tests.cli.test_dashboard import dashboard_metric_names
-from tests.vllm.conftest import graft_spec
+from tests.vllm.conftest import graft_spec, server_env
 from vllm_graft.core.successor import read_successor_file
 
 
@@ -85,7 +85,7 @@ def test_serve_answers_and_exports_graft_metrics(tiny_models, tmp_path):
         tiny_models.head, budget=16, isolation="global",
         successor_state={"path": state.name, "save_every_s": 0})))
     port = _free_port()
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    env = server_env()
     log = open(tmp_path / "serve.log", "w")
     server = subprocess.Popen(
         [sys.executable, "-m", "vllm_graft.cli.main", "serve", str(tiny_models.target),

@@ -203,21 +203,60 @@ class IsolationConfig(BaseModel):
     ``{"mode": "request"}``.
 
     A shared matrix that learns online lets one tenant's text change another tenant's
-    latency (a timing side channel), so the default is ``tenant``: requests naming a
-    tenant (``tenant_field`` among the request's extra arguments, ``vllm_xargs`` in the
-    OpenAI API, where the ``user`` field is used when it is absent) get their tenant's
-    matrix; requests naming none share one. ``global`` shares one matrix among all, and
-    is the only mode whose matrix ``successor_state`` saves."""
+    latency (a timing side channel), so the default is ``tenant``: each tenant gets its
+    own matrix, and a request that names none a private one (``unnamed``). The operator
+    names where a request's tenant comes from (``tenant_source``): the OpenAI ``user``
+    field, the request's ``cache_salt``, the Graft extra argument ``tenant_field``
+    (``vllm_xargs`` in the OpenAI API, ``SamplingParams(extra_args=...)`` offline), or an
+    HTTP header a trusted gateway sets; the other fields never name a tenant. ``global``
+    shares one matrix among all, and is the only mode whose matrix ``successor_state``
+    saves."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     mode: Literal["global", "tenant", "request"] = "tenant"
-    max_matrices: int = Field(
-        16, ge=1, le=256, description="matrices allocated at start-up (tenant, request "
-        "modes); beyond, the least recently used idle one is reset for the newcomer")
+    max_matrices: int | None = Field(
+        None, ge=1, le=4096, description="matrices allocated at start-up (tenant, request "
+        "modes; default: the engine's max_num_seqs + 16, so every running request can "
+        "hold a private one beside 16 tenants); a request with a private matrix holds one "
+        "while it runs; beyond, the least recently used idle one is reset for the "
+        "newcomer, and a request finding every one held runs without retrieval")
     tenant_field: str = Field(
         "graft_tenant", min_length=1, max_length=64, pattern="^graft_[a-z0-9_]+$",
-        description="the request's extra argument that names its tenant")
+        description="the request's extra argument that names its tenant (read with "
+        "tenant_source 'extra'; the engine receives every request's tenant there)")
+    tenant_source: str = Field(
+        "user", description="where a request's tenant comes from: 'user' (the OpenAI "
+        "user field), 'cache_salt', 'extra' (the tenant_field extra argument) or "
+        "'header:<Name>' (an HTTP header a trusted gateway sets); the other fields are "
+        "ignored")
+    unnamed: Literal["private", "shared"] = Field(
+        "private", description="tenant mode, a request naming no tenant: its own matrix "
+        "(a copy of the warm-up state, freed when it ends) or the one matrix all such "
+        "requests share")
+
+    @field_validator("tenant_source")
+    @classmethod
+    def _known_source(cls, source: str) -> str:
+        kind, sep, header = source.partition(":")
+        if kind in TENANT_SOURCES and not sep:
+            return source
+        if kind == "header" and is_header_name(header):
+            return source
+        raise ValueError(f"must be one of {', '.join(map(repr, TENANT_SOURCES))} or "
+                         f"'header:<Name>' (a header name of letters, digits and '-', at "
+                         f"most 64 characters), got {source!r}")
+
+
+#: the tenant sources besides ``header:<Name>`` (``graft.isolation.tenant_source``)
+TENANT_SOURCES = ("user", "cache_salt", "extra")
+
+
+def is_header_name(name: str) -> bool:
+    """A header that may name tenants: 1 to 64 ASCII letters, digits and dashes, not
+    starting with a dash."""
+    return 0 < len(name) <= 64 and name[0] != "-" and all(
+        c.isascii() and (c.isalnum() or c == "-") for c in name)
 
 
 def _refuse_auto_dflash_budget(data: Any) -> Any:

@@ -3,22 +3,26 @@
 The successor matrix learns online from every verified token. Shared by everyone
 (``global``), one user's text changes which tokens another user's trees retrieve, and so
 how fast the other's requests run: a timing side channel between tenants. ``tenant``
-gives each tenant its own matrix, ``request`` gives each request a private one; each new
-matrix starts as a copy of the seed (the warm-up file, or empty), which no request
-changes. Matrices are stacked partitions of one table
-(:class:`~vllm_graft.core.successor.SuccessorMatrix`), so a batch mixing tenants still
-costs one op call per retrieval level.
+gives each tenant its own matrix, and a request that names no tenant a private one
+(``unnamed: "private"``, the default) or the one matrix all such requests share
+(``"shared"``); ``request`` gives each request a private one. Each new matrix starts as
+a copy of the seed (the warm-up file, or empty), which no request changes. Matrices are
+stacked partitions of one table (:class:`~vllm_graft.core.successor.SuccessorMatrix`),
+so a batch mixing tenants still costs one op call per retrieval level.
 
 All ``max_matrices`` partitions are allocated at start-up (before vLLM sizes its KV
-cache from the memory left, so they never fail an engine step later). A new tenant (or
-request) takes a free partition, else the least recently used one no running request
-holds (reset to the seed first); when every partition is held, the request runs without
-retrieval (drafted and copied nodes only), never with another tenant's matrix, and asks
-again at its next step.
+cache from the memory left, so they never fail an engine step later). A new owner (a
+tenant, or a request with a private matrix) takes a free partition, else the least
+recently used one no running request holds; either way the partition is reset to the
+seed first, so no owner ever reads what another one taught it. A private matrix is
+freed when its request ends (or is preempted). When every partition is held, the
+request runs without retrieval (drafted and copied nodes only), never with another
+owner's matrix, and asks again at its next step.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from enum import Enum
 
@@ -26,14 +30,23 @@ import torch
 
 from vllm_graft.core.successor import SuccessorMatrix
 
+logger = logging.getLogger(__name__)
+
 #: partition of a request that got none (no retrieval, teaches nothing)
 NO_PARTITION = -1
 
 
 class IsolationMode(str, Enum):
     GLOBAL = "global"  # one matrix for every request
-    TENANT = "tenant"  # one matrix per tenant; requests that name none share one
+    TENANT = "tenant"  # one matrix per tenant; requests that name none: see Unnamed
     REQUEST = "request"  # one matrix per request, reset when it ends
+
+
+class Unnamed(str, Enum):
+    """The matrix of a request that names no tenant, in ``tenant`` mode."""
+
+    PRIVATE = "private"  # its own, seeded from the warm-up state, freed when it ends
+    SHARED = "shared"  # the one matrix every such request reads and teaches
 
 
 class MatrixPartitions:
@@ -59,25 +72,39 @@ class MatrixPartitions:
         self.evictions = 0  # idle owners whose matrix went to a newcomer
         self.refusals = 0  # steps a request ran without a matrix (all were held)
 
-    def assign(self, req_id: str, tenant: str | None = None) -> int:
+    def assign(self, req_id: str, tenant: str | None = None,
+               unnamed: Unnamed | str = Unnamed.PRIVATE) -> int:
         """The partition of ``req_id``: fixed while the request stays in the batch once
         it has one (a preempted request is released, and assigned again when it resumes:
-        in ``request`` mode a fresh matrix); a request that got none (every partition
-        busy) asks again at its next step."""
+        a private matrix starts again from the seed); a request that got none (every
+        partition busy) asks again at its next step. ``tenant`` None: the request names
+        none, and in ``tenant`` mode ``unnamed`` says whose matrix it gets."""
         if req_id in self.partition_of:
             return self.partition_of[req_id]
         if self.mode is IsolationMode.GLOBAL:
             partition = 0
         else:
-            owner = f"request:{req_id}" if self.mode is IsolationMode.REQUEST \
-                else f"tenant:{tenant or ''}"
-            partition = self._partition_of_owner(owner)
+            partition = self._partition_of_owner(self._owner(req_id, tenant, unnamed))
         if partition == NO_PARTITION:
+            if not self.refusals:
+                logger.warning("Graft: all %d successor matrices (graft.isolation."
+                               "max_matrices) are held by running requests: a request "
+                               "runs without retrieval until one is free",
+                               self.max_matrices)
             self.refusals += 1
         else:
             self.partition_of[req_id] = partition
             self.holders.setdefault(partition, set()).add(req_id)
         return partition
+
+    def _owner(self, req_id: str, tenant: str | None, unnamed: Unnamed | str) -> str:
+        """Who a new request's matrix belongs to: itself (a private matrix), a tenant, or
+        every request that names none (``unnamed: "shared"``)."""
+        if self.mode is IsolationMode.REQUEST:
+            return f"request:{req_id}"
+        if tenant is None:
+            return f"request:{req_id}" if Unnamed(unnamed) is Unnamed.PRIVATE else "unnamed"
+        return f"tenant:{tenant}"
 
     def release(self, req_id: str) -> None:
         """The request left the batch (finished, aborted or preempted)."""
@@ -87,11 +114,11 @@ class MatrixPartitions:
         held = self.holders.get(partition)
         if held is not None:
             held.discard(req_id)
-        if self.mode is IsolationMode.REQUEST and not held:
-            # a private matrix dies with its request: free the partition for the next one
-            owner = f"request:{req_id}"
-            if self.owner_of.get(owner) == partition:
-                del self.owner_of[owner]
+        owner = f"request:{req_id}"
+        if not held and self.owner_of.get(owner) == partition:
+            # a private matrix dies with its request: free the partition for the next
+            # owner, who gets it reset to the seed
+            del self.owner_of[owner]
 
     def partitions(self, req_ids: list[str], device: torch.device | str) -> torch.Tensor | None:
         """[B] partition per request (-1: none); ``None`` in global mode."""

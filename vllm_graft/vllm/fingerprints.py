@@ -575,6 +575,31 @@ FINGERPRINTS: tuple[Fingerprint, ...] = (
         params=('self', 'max_tokens', 'default_sampling_params'),
     ),
     Fingerprint(
+        'vllm.entrypoints.openai.chat_completion.serving', 'OpenAIServingChat.create_chat_completion',
+        patched_by='graft.openai_tenant.OpenAIServingChat',
+        why=('wrapped: reads the tenant from the user field or a header while the request '
+             'is built (to_sampling_params runs inside it); returns its ErrorResponse'),
+        params=('self', 'request', 'raw_request'),
+    ),
+    Fingerprint(
+        'vllm.entrypoints.openai.completion.serving', 'OpenAIServingCompletion.create_completion',
+        patched_by='graft.openai_tenant.OpenAIServingCompletion',
+        why=('wrapped: reads the tenant from the user field or a header while the request '
+             'is built (to_sampling_params runs inside it); returns its ErrorResponse'),
+        params=('self', 'request', 'raw_request'),
+    ),
+    Fingerprint(
+        'vllm.v1.engine.input_processor', 'InputProcessor.process_inputs',
+        patched_by='graft.request_tenant',
+        why=('wrapped: the engine request it returns gets its tenant field from the chosen '
+             'source (its cache_salt, its extra arguments, or the params passed in)'),
+        params=(
+            'self', 'request_id', 'prompt', 'params', 'supported_tasks', 'arrival_time',
+            'lora_request', 'tokenization_kwargs', 'trace_headers', 'priority',
+            'data_parallel_rank', 'resumable', 'session_id', 'kv_hints',
+        ),
+    ),
+    Fingerprint(
         'vllm.v1.worker.gpu_model_runner', 'GPUModelRunner._dummy_sampler_run',
         patched_by='graft.runner',
         why=("wrapped: after vLLM's sampler warm-up in the start-up profile, a step of "

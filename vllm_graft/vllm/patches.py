@@ -12,7 +12,8 @@ through the general-plugin entry point.
 | 2 | ``engine.arg_utils.EngineArgs.add_cli_args`` | ``--speculative-config`` takes a file |
 | 2b | ``sampling_params.SamplingParams._validate_spec_decode`` | allow min_p, logit_bias; refuse thinking budgets; check Graft request fields (400) |
 | 2c | ``config.VllmConfig.use_v2_model_runner`` | Graft engines use the V1 runner |
-| 2d | ``entrypoints.openai.{chat_completion,completion}.protocol.*Request.to_sampling_params`` | the OpenAI ``user`` field names the tenant (``graft.isolation``) |
+| 2d | ``entrypoints.openai.chat_completion.serving.OpenAIServingChat.create_chat_completion``, ``entrypoints.openai.completion.serving.OpenAIServingCompletion.create_completion``, ``entrypoints.openai.{chat_completion,completion}.protocol.*Request.to_sampling_params`` | the handler reads the tenant from the OpenAI ``user`` field or the HTTP header ``graft.isolation.tenant_source`` names; it rides on the request's ``SamplingParams`` (an attribute vLLM never copies or sends) |
+| 2e | ``v1.engine.input_processor.InputProcessor.process_inputs`` | every request's tenant comes from the one source the operator chose (2d's, ``cache_salt`` or the Graft extra argument), written into its extra arguments for the engine; any other field's tenant is dropped |
 | 3 | ``v1.worker.gpu_model_runner.GPUModelRunner.__init__`` | GraftProposer (or its draft-model / DFlash form) as drafter |
 | 3b | ``v1.worker.gpu_model_runner.build_logitsprocs`` | built-in logits processors on |
 | 4 | ``GPUModelRunner.initialize_kv_cache`` | start-up checks of tree attention |
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import contextvars
 import logging
 from collections import Counter
 
@@ -57,22 +59,78 @@ logger = logging.getLogger(__name__)
 GRAFT_MARKER = "graft_enabled"
 #: set beside it: the request extra argument that names a request's tenant
 TENANT_FIELD_ATTR = "graft_tenant_field"
-#: the tenant field of the Graft engine this front end created (empty: none)
-_FRONT_END_TENANT_FIELD: list[str] = []
 GRAFT_REQUEST_PREFIX = "graft_"
 MAX_TENANT_LENGTH = 256
+#: the attribute of a ``SamplingParams`` holding the tenant an OpenAI handler read (2d):
+#: an instance attribute, which vLLM neither copies nor sends, so no client can set it
+FRONT_END_TENANT_ATTR = "_graft_front_end_tenant"
+#: while an OpenAI handler runs (2d): the tenant it read for its request
+_HANDLER_TENANT: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "graft_handler_tenant", default=None)
 
 
-def tenant_of_user(user: str | None) -> str | None:
-    """The tenant an OpenAI ``user`` field names: none when empty, the SHA-256 of one
-    too long for a tenant field (any ``user`` the API accepts stays a valid request)."""
-    if not user:
+def tenant_name(value: str | None) -> str | None:
+    """The tenant a user field, header or cache salt names: none when empty or absent,
+    the SHA-256 of one too long for a tenant field (any value the API accepts stays a
+    valid request)."""
+    if not value:
         return None
-    if len(user) > MAX_TENANT_LENGTH:
+    if len(value) > MAX_TENANT_LENGTH:
         import hashlib
 
-        return "user-sha256:" + hashlib.sha256(user.encode()).hexdigest()
-    return user
+        return "sha256:" + hashlib.sha256(value.encode()).hexdigest()
+    return value
+
+
+def graft_isolation(vllm_config) -> dict | None:
+    """The ``graft.isolation`` settings of a Graft engine's config; None for others."""
+    from vllm_graft.vllm.config import ADDITIONAL_CONFIG_KEY
+
+    additional = getattr(vllm_config, "additional_config", None) or {}
+    graft = additional.get(ADDITIONAL_CONFIG_KEY) if isinstance(additional, dict) else None
+    return None if graft is None else graft["isolation"]
+
+
+def handler_tenant(source: str, user: str | None, headers) -> str | None:
+    """The tenant an OpenAI handler reads for its request under ``tenant_source``: the
+    ``user`` field, or the named header (``headers``: the HTTP request's, None outside
+    HTTP), which must come once; None for the other sources (read by 2e)."""
+    from vllm.exceptions import VLLMValidationError
+
+    if source == "user":
+        return tenant_name(user)
+    kind, _, name = source.partition(":")
+    if kind != "header" or headers is None:
+        return None
+    values = headers.getlist(name)
+    if len(values) > 1:
+        raise VLLMValidationError(
+            f"the header {name} names this request's tenant (graft.isolation."
+            f"tenant_source) and must come once, got it {len(values)} times",
+            parameter=name)
+    return tenant_name(values[0]) if values else None
+
+
+def request_tenant(isolation: dict, extra_args: dict | None, cache_salt: str | None,
+                   handler: str | None) -> str | None:
+    """A request's tenant, from the one source the operator chose: the Graft extra
+    argument, the request's ``cache_salt``, or what the OpenAI handler read (the ``user``
+    field or a header; None outside the OpenAI handlers). Nothing else counts."""
+    source = isolation["tenant_source"]
+    if source == "extra":
+        tenant = (extra_args or {}).get(isolation["tenant_field"])
+        return None if tenant is None else str(tenant)
+    if source == "cache_salt":
+        return tenant_name(cache_salt)
+    return handler
+
+
+def with_tenant(extra_args: dict | None, field: str, tenant: str | None) -> dict | None:
+    """``extra_args`` (a new dict) whose ``field`` holds ``tenant``, or lacks it."""
+    extra = {k: v for k, v in (extra_args or {}).items() if k != field}
+    if tenant is not None:
+        extra[field] = tenant
+    return extra or None
 
 
 def validate_graft_request_fields(extra_args: dict | None, tenant_field: str) -> None:
@@ -231,7 +289,6 @@ def _patch_engine_args() -> list[Patch]:
             tenant_field = graft["isolation"]["tenant_field"]
             object.__setattr__(config, GRAFT_MARKER, True)
             object.__setattr__(config, TENANT_FIELD_ATTR, tenant_field)
-            _FRONT_END_TENANT_FIELD[:] = [tenant_field]
         return config
 
     def spec_config_type(value: str):
@@ -288,25 +345,71 @@ def _patch_engine_args() -> list[Patch]:
     ]
 
 
-# ---- 2d: the OpenAI ``user`` field names the tenant ---------------------------------------
+# ---- 2d, 2e: the tenant comes from where the operator said -----------------------------
 def _patch_openai_user() -> list[Patch]:
+    """2d: the chat and completion handlers read the tenant from the ``user`` field or
+    a header (as ``graft.isolation.tenant_source`` says) while they build the request's
+    ``SamplingParams``, which carry it to 2e. 2e: where every request of every entry
+    point (and of the offline ``LLM``) becomes an engine request, its tenant field is
+    set from the chosen source only."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.engine.input_processor import InputProcessor
 
-    def wrap(cls):
+    def wrap_request(cls):
         def to_sampling_params(self, *args, **kwargs):
             params = call_original(cls, "to_sampling_params")(self, *args, **kwargs)
-            field = _FRONT_END_TENANT_FIELD[0] if _FRONT_END_TENANT_FIELD else None
-            tenant = tenant_of_user(getattr(self, "user", None))
-            if field and tenant is not None and field not in (params.extra_args or {}):
-                params.extra_args = {**(params.extra_args or {}), field: tenant}
+            tenant = _HANDLER_TENANT.get()
+            if tenant is not None:
+                setattr(params, FRONT_END_TENANT_ATTR, tenant)
             return params
 
         return Patch(f"graft.openai_user.{cls.__name__}", cls,
                      {"to_sampling_params": to_sampling_params},
                      must_exist=frozenset({"to_sampling_params"}))
 
-    return [wrap(ChatCompletionRequest), wrap(CompletionRequest)]
+    def wrap_handler(cls, name: str):
+        async def handler(self, request, raw_request=None, *args, **kwargs):
+            original = call_original(cls, name)
+            engine = getattr(self, "engine_client", None)
+            isolation = graft_isolation(getattr(engine, "vllm_config", None))
+            if isolation is None:
+                return await original(self, request, raw_request, *args, **kwargs)
+            try:
+                tenant = handler_tenant(isolation["tenant_source"],
+                                        getattr(request, "user", None),
+                                        None if raw_request is None else raw_request.headers)
+            except VLLMValidationError as err:
+                return self.create_error_response(err)
+            token = _HANDLER_TENANT.set(tenant)
+            try:
+                return await original(self, request, raw_request, *args, **kwargs)
+            finally:
+                _HANDLER_TENANT.reset(token)
+
+        return Patch(f"graft.openai_tenant.{cls.__name__}", cls, {name: handler},
+                     must_exist=frozenset({name}))
+
+    def process_inputs(self, request_id, prompt, params, *args, **kwargs):
+        request = call_original(InputProcessor, "process_inputs")(
+            self, request_id, prompt, params, *args, **kwargs)
+        isolation = graft_isolation(self.vllm_config)
+        sampling = request.sampling_params
+        if isolation is not None and sampling is not None:
+            tenant = request_tenant(isolation, sampling.extra_args, request.cache_salt,
+                                    getattr(params, FRONT_END_TENANT_ATTR, None))
+            sampling.extra_args = with_tenant(sampling.extra_args, isolation["tenant_field"],
+                                              tenant)
+        return request
+
+    return [wrap_request(ChatCompletionRequest), wrap_request(CompletionRequest),
+            wrap_handler(OpenAIServingChat, "create_chat_completion"),
+            wrap_handler(OpenAIServingCompletion, "create_completion"),
+            Patch("graft.request_tenant", InputProcessor, {"process_inputs": process_inputs},
+                  must_exist=frozenset({"process_inputs"}))]
 
 
 # ---- 3-11: the V1 model runner ----------------------------------------------------------

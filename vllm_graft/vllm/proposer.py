@@ -269,8 +269,9 @@ class GraftTreeDrafting:
                                              tree_shape=settings.tree_shape,
                                              score_nodes=True)
         # which matrix partition each request reads and teaches (graft.isolation)
-        self.isolation = MatrixPartitions(IsolationMode(config.isolation.mode), matrix,
-                                          config.isolation.max_matrices)
+        self.isolation = MatrixPartitions(
+            IsolationMode(config.isolation.mode), matrix,
+            config.isolation.max_matrices or vllm_config.scheduler_config.max_num_seqs + 16)
         self.tenant_field = config.isolation.tenant_field
         self.pending: dict[str, PendingTree] = {}
         if config.auto_size and not self.auto_size:
@@ -332,12 +333,16 @@ class GraftTreeDrafting:
 
     def partitions(self, runner, req_ids: list[str]) -> torch.Tensor | None:
         """[B] the successor-matrix partition of each request (assigned at first sight
-        from its tenant); ``None`` while every request reads the one matrix."""
+        from its tenant: the front end wrote it into the tenant field from the source the
+        operator chose, ``graft.isolation.tenant_source``); ``None`` while every request
+        reads the one matrix."""
+        unnamed = self.settings.config.isolation.unnamed
         for req_id in req_ids:
             if req_id not in self.isolation.partition_of:
                 extra = runner.requests[req_id].sampling_params.extra_args or {}
                 tenant = extra.get(self.tenant_field)
-                self.isolation.assign(req_id, None if tenant is None else str(tenant))
+                self.isolation.assign(req_id, None if tenant is None else str(tenant),
+                                      unnamed)
         if all(self.isolation.partition_of.get(r) == 0 for r in req_ids):
             return None  # partition 0 is the table's first rows: the plain lookup
         return self.isolation.partitions(req_ids, self.device)
