@@ -196,3 +196,31 @@ def test_graft_log_lines_reach_the_handlers_vllm_installs_after_the_plugin_loade
     logging.getLogger("vllm_graft.vllm.runner").info("Graft: a line")
     logging.getLogger("vllm_graft.vllm.runner").debug("Graft: a debug line")
     assert [record.getMessage() for record in records] == ["Graft: a line"]
+
+
+def test_on_an_unsupported_vllm_the_plugin_stays_out_of_the_way():
+    """vLLM loads every installed plugin in every process without a guard: on a release
+    Graft does not support, loading it must not raise (that would break every vLLM user
+    of the environment) and must change nothing, saying why once."""
+    import subprocess
+    import sys
+
+    code = """
+import logging, vllm
+vllm.__version__ = "0.33.0"
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+before = GPUModelRunner._sample
+from vllm_graft.vllm import plugin
+records = []
+logging.getLogger("vllm_graft").addHandler(type("H", (logging.Handler,), {
+    "emit": lambda self, record: records.append(record.getMessage())})())
+plugin.register()
+plugin.register()
+assert GPUModelRunner._sample is before, "patched"
+assert len(records) == 1 and "supports vLLM 0.32.0 only" in records[0], records
+assert "found vLLM 0.33.0" in plugin.DISABLED[0]
+print("silent")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and "silent" in result.stdout, result.stderr[-3000:]

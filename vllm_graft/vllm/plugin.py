@@ -2,10 +2,10 @@
 
 vLLM calls :func:`register` in every process it starts (front end, engine core,
 workers, Ray workers), so installing vllm-graft is all a user does. The guards run
-first: a vLLM release other than the supported one is refused with both versions named,
-and a vLLM whose patched or relied-on internals differ from the recorded fingerprints
-(:mod:`vllm_graft.vllm.fingerprints`) is refused with every differing symbol named,
-before any patch is applied.
+first: on a vLLM release other than the supported one, or one whose patched or
+relied-on internals differ from the recorded fingerprints
+(:mod:`vllm_graft.vllm.fingerprints`), no patch is applied and one warning names both
+versions or every differing symbol; vLLM itself runs on.
 """
 
 from __future__ import annotations
@@ -40,14 +40,29 @@ def route_logs_through_vllm() -> None:
         ours.setLevel(envs.VLLM_LOGGING_LEVEL)
 
 
+#: why Graft is off in this process (empty: it is on, or the plugin has not loaded)
+DISABLED: list[str] = []
+
+
 def register() -> None:
-    from vllm_graft.vllm.version import check_vllm_version
+    """Apply Graft to this vLLM, or, on a vLLM it does not support, stay out of it:
+    vLLM loads every installed plugin in every process without a guard, so a plugin
+    that raised here would break every vLLM user of the environment, Graft or not. Then
+    one warning names the versions (or the differing internals), no patch is applied,
+    and a Graft speculative config is refused by vLLM as an unknown method."""
+    from vllm_graft.vllm.fingerprints import VLLMFingerprintMismatch, verify_installed_vllm
+    from vllm_graft.vllm.version import UnsupportedVLLMVersion, check_vllm_version
 
     route_logs_through_vllm()
-    check_vllm_version()
-    from vllm_graft.vllm.fingerprints import verify_installed_vllm
-
-    verify_installed_vllm()
+    try:
+        check_vllm_version()
+        verify_installed_vllm()
+    except (UnsupportedVLLMVersion, VLLMFingerprintMismatch) as error:
+        if not DISABLED:
+            logger.warning("vllm-graft is installed but off: %s. vLLM runs as it is, "
+                           "without Graft.", error)
+        DISABLED[:] = [str(error)]
+        return
     from vllm_graft.vllm.patches import apply_all
 
     apply_all()
