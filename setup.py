@@ -7,15 +7,16 @@ still ships them. ``VLLM_GRAFT_BUILD_CUDA`` overrides the choice: ``0`` builds
 CPU only, ``1`` requires CUDA and fails loudly when it cannot be built.
 ``TORCH_CUDA_ARCH_LIST`` (read by torch) picks the GPU architectures.
 
-Install (torch must already be installed)::
+Install (torch must already be installed: the ops are built against it)::
 
     pip install --no-build-isolation -e .
+    pip wheel --no-build-isolation --no-deps -w dist .    # a wheel
 """
 
 import os
 
 import torch
-from setuptools import find_packages, setup
+from setuptools import setup
 from torch.utils.cpp_extension import (
     CUDA_HOME,
     BuildExtension,
@@ -57,6 +58,9 @@ def should_build_cuda() -> bool:
     blocker = cuda_build_blocker()
     if choice == "1" and blocker:
         raise SystemExit(f"{BUILD_CUDA_ENV}=1 but the CUDA ops cannot be built: {blocker}")
+    if blocker:
+        print(f"vllm-graft: building the CPU ops only: {blocker} (a GPU engine will refuse "
+              f"to start with them; {BUILD_CUDA_ENV}=1 makes this an error)")
     return blocker is None
 
 
@@ -77,17 +81,5 @@ def compiled_ops_extension():
     )
 
 
-setup(
-    name="vllm-graft",
-    version="0.1.0",
-    description="Speculative-decoding extension for vLLM",
-    packages=find_packages(include=["vllm_graft*"]),
-    python_requires=">=3.10",
-    install_requires=["pydantic>=2", "tqdm", "rich>=13"],
-    ext_modules=[compiled_ops_extension()],
-    cmdclass={"build_ext": BuildExtension},
-    entry_points={
-        "console_scripts": ["vllm-graft = vllm_graft.cli.main:main"],
-        "vllm.general_plugins": ["graft = vllm_graft.vllm.plugin:register"],
-    },
-)
+# The metadata is pyproject.toml's; this file adds the compiled ops.
+setup(ext_modules=[compiled_ops_extension()], cmdclass={"build_ext": BuildExtension})

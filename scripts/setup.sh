@@ -14,7 +14,7 @@ FLAVOUR=${VLLM_GRAFT_FLAVOUR:-$FLAVOUR}
 
 stamp_inputs() {
   cat requirements/"$FLAVOUR".txt requirements/test.txt requirements/tools.txt \
-    requirements/triton-interpreter.txt setup.py \
+    requirements/triton-interpreter.txt setup.py pyproject.toml \
     csrc/*.cpp csrc/kernels/* \
     | sha256sum | cut -c1-16
 }

@@ -127,6 +127,21 @@ class ShadowChain:
         return self.source, self.score, copied_prefix(self.tokens, emitted), self.verified
 
 
+def check_compiled_ops(backend: str, device) -> None:
+    """On a GPU the compiled ops need their CUDA kernels: a library built where torch or
+    the CUDA toolkit lacked CUDA has CPU kernels only (its build said so), and its first
+    use on the GPU would fail in the middle of a step."""
+    from vllm_graft.ops import cuda_ops_available
+
+    if backend == "compiled" and torch.device(device).type == "cuda" \
+            and not cuda_ops_available():
+        raise RuntimeError(
+            "vllm_graft's compiled ops were built without their CUDA kernels, and this "
+            "engine runs on a GPU: rebuild them where torch has CUDA and nvcc is found "
+            "(VLLM_GRAFT_BUILD_CUDA=1 pip install --no-build-isolation .), or set "
+            "graft.ops_backend to \"reference\" (slower)")
+
+
 def speculates_ever(req_state) -> bool:
     """Whether the request's options allow drafts at some point of its life: all but
     ``min_tokens`` of the reasons for plain decoding last as long as the request."""
@@ -232,6 +247,7 @@ class GraftTreeDrafting:
             raise ValueError("GraftProposer needs additional_config['graft']")
         self.settings = settings
         config = settings.config
+        check_compiled_ops(config.ops_backend, device)
         vocab_size = vllm_config.model_config.get_vocab_size()
         # the saved state holds what the warm-up taught and what serving taught since;
         # the ops skip their per-call id checks (device syncs on a GPU): every id the
