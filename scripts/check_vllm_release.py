@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Callable
 
 from vllm_graft.markdown import markdown_table
-from vllm_graft.vllm.fingerprints import (FINGERPRINTS, FINGERPRINTS_VLLM_VERSION,
-                                          Fingerprint, Observed, SymbolMissing,
-                                          fingerprint_from_source, find_mismatches)
+from vllm_graft.vllm.fingerprinting import (Fingerprint, Observed, SymbolMissing,
+                                            fingerprint_from_source, find_mismatches)
+from vllm_graft.vllm.fingerprints import FINGERPRINTS, FINGERPRINTS_VLLM_VERSION
 
 
 def source_reader(source: Path) -> Callable[[str], str | None]:

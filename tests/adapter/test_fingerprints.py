@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import re
 import subprocess
 import sys
 import zipfile
@@ -15,10 +16,12 @@ from textwrap import dedent  # noqa: F401  (a re-exported name, see the test bel
 
 import pytest
 
+from vllm_graft.vllm import fingerprinting
 from vllm_graft.vllm import fingerprints as fp
-from vllm_graft.vllm.fingerprints import (FINGERPRINTS, Fingerprint, VLLMFingerprintMismatch,
-                                          check_fingerprints, fingerprint_from_source,
-                                          observe_installed, regenerate)
+from vllm_graft.vllm.fingerprinting import (Fingerprint, VLLMFingerprintMismatch,
+                                            fingerprint_from_source, observe_installed,
+                                            regenerate)
+from vllm_graft.vllm.fingerprints import FINGERPRINTS, check_fingerprints
 from vllm_graft.vllm.patching import Patch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -192,13 +195,14 @@ def test_installed_vllm_matches_the_table():
 
 def _patched_symbol(target, attr: str) -> str:
     """Where the vLLM attribute a patch replaces is defined (seen before the patch)."""
-    if attr == fp.FIELDS_ATTR:
+    if attr == fingerprinting.FIELDS_ATTR:
         return f"{target.__module__}.{target.__qualname__}.{attr}"
     if isinstance(target, type):
-        value = fp.resolve_unpatched(target.__module__, f"{target.__qualname__}.{attr}")
+        value = fingerprinting.resolve_unpatched(target.__module__,
+                                                 f"{target.__qualname__}.{attr}")
     else:
-        value = fp.resolve_unpatched(target.__name__, attr)
-    func = fp._unwrap(value)
+        value = fingerprinting.resolve_unpatched(target.__name__, attr)
+    func = fingerprinting._unwrap(value)
     return f"{func.__module__}.{func.__qualname__}"
 
 
@@ -222,13 +226,19 @@ def test_every_patched_vllm_symbol_is_fingerprinted():
             assert fingerprint.symbol in covered, fingerprint.symbol
 
 
-def test_plugin_load_stops_on_a_mismatch(monkeypatch):
+def test_plugin_load_turns_graft_off_on_a_mismatch(monkeypatch):
+    """A changed internal never raises out of the plugin (vLLM loads plugins without a
+    guard): Graft turns itself off, naming what differs."""
     from vllm_graft.vllm import plugin
 
     changed = replace(recorded("Old.resize"), qualname="NewSignature.resize")
     monkeypatch.setattr(fp, "FINGERPRINTS", (*FINGERPRINTS, changed))
+    monkeypatch.setattr(plugin, "DISABLED", [])
+    plugin.register()
+    assert len(plugin.DISABLED) == 1
+    assert re.search(r"NewSignature\.resize: signature", plugin.DISABLED[0])
     with pytest.raises(VLLMFingerprintMismatch, match=r"NewSignature\.resize: signature"):
-        plugin.register()
+        fp.verify_installed_vllm()
 
 
 # ---- the release checker ---------------------------------------------------------------

@@ -50,7 +50,8 @@ def register() -> None:
     that raised here would break every vLLM user of the environment, Graft or not. Then
     one warning names the versions (or the differing internals), no patch is applied,
     and a Graft speculative config is refused by vLLM as an unknown method."""
-    from vllm_graft.vllm.fingerprints import VLLMFingerprintMismatch, verify_installed_vllm
+    from vllm_graft.vllm.fingerprinting import VLLMFingerprintMismatch
+    from vllm_graft.vllm.fingerprints import verify_installed_vllm
     from vllm_graft.vllm.version import UnsupportedVLLMVersion, check_vllm_version
 
     route_logs_through_vllm()
