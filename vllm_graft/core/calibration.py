@@ -17,10 +17,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import (BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError,
-                      field_validator, model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
+# the tally a calibration file records is the acceptance model's (SourceAcceptance is
+# re-exported for the files' readers)
+from vllm_graft.core.budget.acceptance_model import (SOURCE_NAMES, AcceptanceModel,  # noqa: F401
+                                                     AcceptanceTally, SourceAcceptance,
+                                                     class_index)
 from vllm_graft.core.config import GraftConfig, format_validation_error
+from vllm_graft.core.hybrid import UNKNOWN_SCORE
 
 CALIBRATION_FORMAT_VERSION = 1
 
@@ -36,75 +42,6 @@ class ModelIdentity(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: str = Field(min_length=1)
     fingerprint: str = Field(pattern="^[0-9a-f]{64}$")
-
-
-class SourceAcceptance(BaseModel):
-    """What a calibration run measured of one source's nodes, per depth (item 0: depth
-    1) and score bucket: how many were tried (their parent lay on the accepted path)
-    and how many of those were accepted."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    trials: tuple[tuple[NonNegativeInt, ...], ...]
-    accepts: tuple[tuple[NonNegativeInt, ...], ...]
-
-    @model_validator(mode="after")
-    def _counts(self) -> SourceAcceptance:
-        if [len(row) for row in self.trials] != [len(row) for row in self.accepts]:
-            raise ValueError("trials and accepts must have the same shape (depths x score "
-                             "buckets)")
-        for depth, (tried, accepted) in enumerate(zip(self.trials, self.accepts), 1):
-            for bucket, (t, a) in enumerate(zip(tried, accepted)):
-                if a > t:
-                    raise ValueError(f"at depth {depth}, score bucket {bucket}, {a} accepts "
-                                     f"exceed {t} trials")
-        return self
-
-
-#: the node sources a calibration measures (the acceptance model's classes)
-AcceptanceSource = Literal["draft", "retrieved", "both", "context"]
-
-
-class AcceptanceTally(BaseModel):
-    """Per node source, depth and score bucket (``score_buckets`` even buckets of [0, 1]),
-    the nodes a calibration run tried and accepted (:func:`tally_acceptance`)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    score_buckets: int = Field(ge=1)
-    sources: dict[AcceptanceSource, SourceAcceptance]
-
-    @field_validator("score_buckets")
-    @classmethod
-    def _model_buckets(cls, v: int) -> int:
-        from vllm_graft.core.budget import AcceptanceModel
-
-        if v != AcceptanceModel.score_buckets:
-            raise ValueError(f"{v} score buckets, but the acceptance model has "
-                             f"{AcceptanceModel.score_buckets}; recalibrate")
-        return v
-
-    @classmethod
-    def of_counts(cls, trials: np.ndarray, accepts: np.ndarray) -> AcceptanceTally:
-        """The tally of integer counts shaped as the acceptance model's (source class,
-        depth, score bucket): per source, the depths up to its deepest tried one."""
-        from vllm_graft.core.budget import SOURCE_NAMES
-
-        sources = {}
-        for name, tried, accepted in zip(SOURCE_NAMES, trials, accepts):
-            measured = np.flatnonzero(tried.sum(1))
-            if measured.size:
-                depths = int(measured[-1]) + 1
-                sources[name] = SourceAcceptance(
-                    trials=tuple(map(tuple, tried[:depths].tolist())),
-                    accepts=tuple(map(tuple, accepted[:depths].tolist())))
-        return cls(score_buckets=trials.shape[-1], sources=sources)
-
-    @model_validator(mode="after")
-    def _buckets(self) -> AcceptanceTally:
-        for name, counts in self.sources.items():
-            if any(len(row) != self.score_buckets for row in counts.trials):
-                raise ValueError(f"every depth of source {name!r} needs {self.score_buckets} "
-                                 f"score buckets")
-        return self
 
 
 class Calibration(BaseModel):
@@ -328,9 +265,6 @@ def tally_acceptance(records: list[dict]) -> AcceptanceTally:
     the engine's tree recording gives them (``parents``, ``depths``, ``source`` and
     ``score``, None when unscored, per row, row 0 the root; and ``accepted_rows``);
     depths and scores are bucketed as the acceptance model buckets them."""
-    from vllm_graft.core.budget import SOURCE_NAMES, AcceptanceModel, class_index
-    from vllm_graft.core.hybrid import UNKNOWN_SCORE
-
     max_depth, score_buckets = AcceptanceModel.max_depth, AcceptanceModel.score_buckets
     shape = (len(SOURCE_NAMES), max_depth, score_buckets)
     trials = np.zeros(shape, dtype=np.int64)

@@ -1,0 +1,176 @@
+"""The chain scout: while the guard decodes plainly, a look now and then at the copy
+chains the batch's contexts offer (:class:`ChainScout`)."""
+
+from __future__ import annotations
+
+from vllm_graft.core.budget.guard import mostly_new
+
+
+def copied_prefix(proposed, emitted) -> int:
+    """How many of a chain's nodes verifying it would have accepted, read from the
+    tokens decoding emitted at their positions instead: its nodes up to the first that
+    is not the emitted token (``proposed``, ``emitted``: the nodes after the root and the
+    tokens at the same positions). Where the nodes before one matched, the target saw
+    the same context as a verification would, and its emitted token is a draw from the
+    distribution acceptance samples there (its argmax when greedy), so these outcomes
+    are distributed as a verification's: the acceptance model learns copied nodes from
+    steps that verified none (:meth:`AcceptanceModel.observe_chains`: every node up to
+    the first mismatch is a trial, the matched ones accepted)."""
+    matched = 0
+    while matched < len(proposed) and proposed[matched] == emitted[matched]:
+        matched += 1
+    return matched
+
+
+class ChainScout:
+    """While the throughput guard decodes plainly, a look now and then at the copy chains
+    the batch's contexts offer, and a chain step when they promise to beat plain decoding.
+
+    The guard is blind to the text: it knows what each mode measured over recent steps on
+    whatever ran then. When the text changes (requests that edit their own context arrive
+    where chat ran), chains may have become faster, but the guard runs a mode it measured
+    slower only as often as its probe budget allows (a chain 16 % slower at twice a plain
+    step's time: once in 60 steps at batch 32), and a batch of short requests may finish
+    before that (code edits at batch 32 ran 62 of 65 steps plainly, where chains alone
+    were 1.16x plain). The sizer does see the text: from the match lengths and the
+    learned acceptance it predicts a chain step's emitted tokens, from the cost model its
+    time. Those predictions are corrected by how they fared: measured over predicted
+    tokens, and measured over predicted milliseconds, over recent chain steps (whatever
+    ran them). Every ``every`` plain steps the scout builds the chains the step could
+    verify, and the step runs them when the corrected prediction beats plain decoding's
+    measured rate by ``margin``; while they keep promising, it looks again at every plain
+    step the guard prefers (never at one it chose to measure: a plain refresh the scout
+    replaced would be asked for again at every step, and plain decoding's rate, which
+    the scout compares with, would never be measured again). The guard measures such a
+    step like any chain step, so chains that really are faster take over through its own
+    choice, and a prediction that fared badly shrinks its correction until it stops
+    firing. Each look's chains also teach the acceptance model once decoding has emitted
+    their positions (:func:`copied_prefix`), so its odds for copied nodes do not stay at
+    the cold prior while no chain runs.
+
+    The correction counts ``prior_steps`` steps that fared as predicted besides the
+    measured ones: a chain step or two cannot silence the scout. The only chain step a
+    fresh engine had run was the guard's first probe, in the warm-up, on chat (on
+    8 requests, 8 tokens credited of 13.5 predicted, at a new query length's set-up
+    cost): its correction of 0.42 alone decided that humaneval's first copies (53 tokens
+    predicted in 76 ms, 2.5 times plain decoding's rate) did not beat plain decoding,
+    and as the scout never fired, no chain step came to revise it: no chain ran in the
+    engine's 190 steps of three datasets. Another engine, started alike, drew 0.49;
+    the same look fired, and chains ran in 36 of humaneval's 53 steps. Measured on a
+    2-core CPU at batch 8 (the traced engine's steps ran about a tenth slower than the
+    other's); in the sweeps' rounds that started their engines in its order, budget auto
+    ran no chain on humaneval in 5 of 5.
+
+    A look builds and sizes the batch's chains: about 1 ms at batch 8 on a 2-core CPU,
+    4 % of a plain step there, paid once in ``every`` plain steps. Where looks keep
+    finding nothing (chat, where the guard rightly decodes plainly), each look that does
+    not promise doubles the steps until the next, up to ``max_every``; one that promises
+    keeps them at ``every`` at most, and so does new text: a request joining the batch
+    (:meth:`text_changed`), which is when chains may have become worth it.
+
+    A batch that is at least half new is looked at from its first plain step, each look
+    that does not promise doubling the steps to the next (steps 1, 3, 7, 15, ...). New
+    requests copy the most in their first steps, and a look after the first token sees
+    matches one token long: humaneval's eight requests at batch 8 repeat their
+    function's signature from the prompt around their seventh token, accepting whole
+    chains for a few steps. Looking every ``every`` steps, a fresh engine's scout looked
+    at step 1 (nothing promised) and next at step 17, after the copies; the guard's own
+    choice reached them in some engines and not in others, and a batch whose first
+    chains came late took 63-64 steps, as plain decoding, where one whose chains came
+    in time took 51-54 (measured on a 2-core CPU, SmolLM2-135M, 64 tokens a request).
+    A request joining a batch of older ones only brings the looks back to ``every``:
+    under a steady stream of arrivals, a look at every step would cost 4 % of each.
+    """
+
+    def __init__(self, every: int = 8, margin: float = 0.05, window: float = 50.0,
+                 max_every: int | None = None, prior_steps: float = 2.0):
+        max_every = 8 * every if max_every is None else max_every
+        if every < 1 or margin < 0 or window <= 1.0 or max_every < every or prior_steps < 0:
+            raise ValueError(f"ChainScout needs every >= 1, margin >= 0, window > 1, "
+                             f"max_every >= every and prior_steps >= 0, got {every}, "
+                             f"{margin}, {window}, {max_every}, {prior_steps}")
+        self.every, self.margin, self.keep = every, margin, 1.0 - 1.0 / window
+        self.max_every, self.prior_steps = max_every, prior_steps
+        # discounted sums over chain steps: their weight, predicted and measured tokens
+        # and ms
+        self.weight = 0.0
+        self.predicted_tokens = self.tokens = 0.0
+        self.predicted_ms = self.measured_ms = 0.0
+        self.plain_steps = 0  # plain steps since the last look
+        self.interval = every  # plain steps from one look to the next
+        self.promised = False  # the last look found chains worth a step
+        self.unpromised_interval = every  # where that look would have left the interval
+
+    def due(self) -> bool:
+        """Called once per step the guard decodes plainly: whether to look this step."""
+        self.plain_steps += 1
+        if self.promised or self.plain_steps >= self.interval:
+            self.plain_steps = 0
+            return True
+        return False
+
+    def text_changed(self, joined: int, batch: int) -> None:
+        """``joined`` of the ``batch`` requests of the coming steps are new: look every
+        ``every`` plain steps again, or, where at least half the batch is new, at the
+        next plain step and back off from there (class doc)."""
+        if mostly_new(joined, batch):
+            self.interval, self.plain_steps = 1, 0
+        else:
+            self.interval = min(self.interval, self.every)
+
+    def correction(self) -> float:
+        """Measured over predicted rate of recent chain steps, with ``prior_steps``
+        more steps that measured what was predicted of the mean one (class doc; 1 before
+        any)."""
+        if (self.weight <= 0 or self.predicted_tokens <= 0 or self.measured_ms <= 0
+                or self.predicted_ms <= 0):
+            return 1.0
+        prior = self.prior_steps / self.weight  # the prior steps' share of the sums
+        tokens = (self.tokens + prior * self.predicted_tokens) \
+            / (self.predicted_tokens * (1.0 + prior))
+        ms = (self.predicted_ms * (1.0 + prior)) / (self.measured_ms + prior * self.predicted_ms)
+        return tokens * ms
+
+    def promising(self, expected_tokens: float, step_ms: float,
+                  plain_rate: float | None) -> bool:
+        """Whether a chain step predicted to emit ``expected_tokens`` in ``step_ms`` beats
+        ``plain_rate`` (tokens per second, measured) by the margin once corrected. The
+        prediction is counted as the guard will credit the step (the runner passes the
+        guard's :meth:`ThroughputGuard.credited_tokens` of each request's prediction)."""
+        if plain_rate is None or step_ms <= 0:
+            self.promised = False
+        else:
+            rate = 1e3 * expected_tokens / step_ms * self.correction()
+            self.promised = rate >= (1.0 + self.margin) * plain_rate
+        self.unpromised_interval = min(2 * self.interval, self.max_every)
+        self.interval = min(self.interval, self.every) if self.promised \
+            else self.unpromised_interval
+        return self.promised
+
+    def fired_step(self, gained: bool) -> None:
+        """The chain step the last look fired was measured: ``gained`` whether it
+        emitted more than a plain step would have (the guard's credit over one token a
+        request). One that gained nothing counts as a look that did not promise: the
+        next look waits twice as long as the one before. Kept at ``every`` at most, a
+        scout that fired on chat looked again within 8 steps and fired again (two chain
+        steps a run on mtbench and gsm8k at batch 8, each emitting a token a request
+        at 1.2-1.6 plain steps' time, on a 2-core CPU)."""
+        if self.promised and not gained:
+            self.promised = False
+            self.interval = self.unpromised_interval
+
+    def observe(self, expected_tokens: float, step_ms: float, tokens: float,
+                seconds: float) -> None:
+        """A chain step the sizer predicted (``expected_tokens``, counted as in
+        :meth:`promising`, in ``step_ms``) emitted ``tokens`` in ``seconds``: the tokens
+        the guard credits it with
+        (:meth:`ThroughputGuard.credited_tokens`), so that a chain step the scout fires
+        promises what the guard will measure."""
+        if step_ms <= 0 or seconds <= 0 or expected_tokens <= 0:
+            return
+        keep = self.keep
+        self.weight = self.weight * keep + 1.0
+        self.predicted_tokens = self.predicted_tokens * keep + expected_tokens
+        self.tokens = self.tokens * keep + tokens
+        self.predicted_ms = self.predicted_ms * keep + step_ms
+        self.measured_ms = self.measured_ms * keep + seconds * 1e3
