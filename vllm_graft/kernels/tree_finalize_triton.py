@@ -33,6 +33,9 @@ and barriers), never through a workspace, so a program's threads cannot race.
 4. Rows: each row's candidate by counting ranks, padding, ancestor bits by pointer
    doubling over the row parents (rows are parents-first), learn rows, the 8 stats.
 
+Steps 1 and 2 and the grouping of step 3 are device functions of
+:mod:`vllm_graft.kernels.tree_candidates_triton`.
+
 Rules: the launcher checks shapes, dtypes and devices only (``ValueError`` naming the
 op and the argument) and never reads a tensor's values, so it is capturable in a CUDA
 graph; the kernel trusts the values as the op's contract says (ids in range, trees
@@ -57,7 +60,10 @@ import struct
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
+
+from vllm_graft.kernels.tree_candidates_triton import (TAG_CONTEXT, TAG_DRAFT, TAG_PAD,
+                                                       TAG_RETRIEVED, expand_template,
+                                                       merge_groups, select_drafts)
 
 __all__ = ["graft_tree_finalize_cuda"]
 
@@ -67,144 +73,7 @@ OP = "graft_tree_finalize"
 _HASH_BASE = tl.constexpr(0x5BD1E9955BD1E995)
 _HASH_MASK = -1
 
-# source tags (vllm_graft.core.hybrid)
-_TAG_DRAFT = tl.constexpr(1)
-_TAG_RETRIEVED = tl.constexpr(2)
-_TAG_PAD = tl.constexpr(4)
-_TAG_CONTEXT = tl.constexpr(8)
 _STATS_COLUMNS = 8
-
-
-@triton.jit
-def _merge_groups(token, depth, under, key, packed, N_PAD: tl.constexpr,
-                  BLOCK: tl.constexpr, EXACT: tl.constexpr):
-    # For every candidate, the first candidate of its group and the group's tags OR-ed
-    # and scores max-ed (at least 0, as the CPU kernel starts from 0). A group: the same
-    # key, or (EXACT) the same token, depth and canonical parent (``under``, unique
-    # negative for an invalid candidate). One [BLOCK, N_PAD] comparison per block.
-    # packed: a candidate's score bits above, below its tag as a count in one of three
-    # 10-bit fields (drafted, retrieved, copied), so that one sum per block counts the
-    # members of each kind (a block has fewer than 1024 members).
-    i = tl.arange(0, N_PAD)
-    first = i
-    tags = tl.zeros([N_PAD], tl.int32)
-    best = tl.zeros([N_PAD], tl.float32)
-    for block in range(0, N_PAD // BLOCK):
-        # [BLOCK, N_PAD] tiles: a thread holds a whole block column, so the reductions
-        # over the block stay in its registers
-        j = block * BLOCK + tl.arange(0, BLOCK)
-        if EXACT:
-            same = (tl.gather(token, j, 0)[:, None] == token[None, :]) \
-                & (tl.gather(depth, j, 0)[:, None] == depth[None, :]) \
-                & (tl.gather(under, j, 0)[:, None] == under[None, :])
-        else:
-            same = tl.gather(key, j, 0)[:, None] == key[None, :]
-        first = tl.minimum(first, tl.min(tl.where(same, j[:, None], N_PAD), axis=0))
-        value = tl.gather(packed, j, 0)
-        count = (value & 0x3FFFFFFF).to(tl.int32)
-        count = tl.sum(tl.where(same, count[:, None], 0), axis=0)
-        tags = tags | tl.where((count & 0x3FF) != 0, _TAG_DRAFT, 0) \
-            | tl.where((count & 0xFFC00) != 0, _TAG_RETRIEVED, 0) \
-            | tl.where(count >= 0x100000, _TAG_CONTEXT, 0)
-        value_score = (value >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        best = tl.maximum(best, tl.max(tl.where(same, value_score[:, None], 0.0), axis=0))
-    return first, tags, best
-
-
-@triton.jit
-def _select_drafts(pool_tokens, pool_parents, pool_scores, keep_by_stage, row_stage, b,
-                   pool, cap, full_stage, draft_top_k, replace_keep, replace_log,
-                   draft_offset, spare_offset, POOL_PAD: tl.constexpr,
-                   CAP_PAD: tl.constexpr, REPLACES: tl.constexpr,
-                   PRECISE_EXP: tl.constexpr):
-    # The cap best slots in rank order and what the drafted and spare parts make of
-    # them (vectors over ranks), and the number of replaced nodes.
-    stage = tl.minimum(tl.maximum(row_stage, 0), full_stage)
-    keep = tl.load(keep_by_stage + stage)
-    base = b * pool
-    s = tl.arange(0, POOL_PAD)
-    in_pool = s < pool
-    score = tl.load(pool_scores + base + s, mask=in_pool, other=float("-inf"))
-    score = tl.where(score == 0.0, 0.0, score)  # -0.0 ties with 0.0, as on the CPU
-    bits = score.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # monotonic in the score
-    key = (ordered.to(tl.int64) << 32) + (0x7FFFFFFF - s).to(tl.int64)
-    key = tl.where(in_pool, key, -9223372036854775807 - 1)
-    best = tl.topk(key, CAP_PAD)  # descending: rank order
-    low = best - ((best >> 32) << 32)
-    r = tl.arange(0, CAP_PAD)
-    in_cap = r < cap
-    slot = tl.where(in_cap, 0x7FFFFFFF - low, 0).to(tl.int32)
-    token = tl.load(pool_tokens + base + slot, mask=in_cap, other=-1)
-    parent_slot = tl.load(pool_parents + base + slot, mask=in_cap, other=-1)
-    slot_score = tl.load(pool_scores + base + slot, mask=in_cap, other=float("-inf"))
-    candidate = in_cap & (tl.abs(slot_score) < float("inf"))
-    # the rank of each slot's parent among the finite selected slots (-1: none)
-    match = (slot[None, :] == parent_slot[:, None]) & candidate[None, :]
-    parent = tl.max(tl.where(match, r[None, :], -1), axis=1)
-    kept = candidate & (r < keep)
-    ranked_score = tl.where(kept, slot_score, float("-inf"))
-    parent_score = tl.where(parent >= 0,
-                            tl.gather(ranked_score, tl.maximum(parent, 0), 0), 0.0)
-    if PRECISE_EXP:  # libdevice's expf, as the CPU kernel's std::exp
-        local = libdevice.exp(slot_score - parent_score)
-    else:  # the interpreter has no libdevice
-        local = tl.exp(slot_score - parent_score)
-    local = tl.minimum(tl.maximum(local, 0.0), 1.0)
-    local = tl.where(kept, local, 0.0)
-    if REPLACES:
-        unpruned = row_stage == full_stage
-        drop = kept & unpruned & (r >= replace_keep) & (ranked_score < replace_log)
-    else:
-        drop = r < 0
-    replaced = tl.sum(drop.to(tl.int64), axis=0)
-    depth = tl.where(slot < draft_top_k, 1,
-                     2 + (slot - draft_top_k) // (draft_top_k * draft_top_k)).to(tl.int64)
-    draft_token = tl.where(kept & ~drop, token, -1)
-    draft_parent = tl.where(kept & (parent >= 0), parent + draft_offset, 0)
-    draft_depth = tl.where(kept, depth, 0)
-    spare_token = tl.where(candidate, token, -1)
-    spare_parent = tl.where(candidate & (parent >= 0), parent + spare_offset, 0)
-    spare_depth = tl.where(candidate, depth, 0)
-    return (draft_token, draft_parent, draft_depth, local, spare_token, spare_parent,
-            spare_depth, replaced)
-
-
-@triton.jit
-def _expand_template(successors, template_parents, template_ranks, root, partition,
-                     template_size, vocab_size, table_rows, succ_k,
-                     T_PAD: tl.constexpr, LOG_T: tl.constexpr):
-    # Template tokens (-1: none) and depths, vectors over template nodes.
-    t = tl.arange(0, T_PAD)
-    in_t = t < template_size
-    parent = tl.load(template_parents + t, mask=in_t, other=-1).to(tl.int32)
-    rank = tl.load(template_ranks + t, mask=in_t, other=0)
-    parent_c = tl.minimum(tl.maximum(parent, 0), T_PAD - 1)
-    # depths: pointer doubling over the parents
-    depth = tl.where(in_t, 1, 0)
-    up = tl.where(in_t, parent, -1)
-    steps = tl.zeros([], tl.int32)
-    while (tl.max(up, axis=0) >= 0) & (steps < LOG_T):
-        has = up >= 0
-        up_c = tl.minimum(tl.maximum(up, 0), T_PAD - 1)
-        depth = depth + tl.where(has, tl.gather(depth, up_c, 0), 0)
-        up = tl.where(has, tl.gather(up, up_c, 0), -1)
-        steps += 1
-    # tokens: one level of lookups at a time
-    token = tl.full([T_PAD], -1, tl.int64)
-    row_offset = partition * vocab_size
-    deepest = tl.max(depth, axis=0)
-    level = tl.full([], 1, tl.int32)
-    while level <= deepest:
-        parent_token = tl.where(parent < 0, root, tl.gather(token, parent_c, 0))
-        row = parent_token + row_offset
-        lookup = (depth == level) & (parent_token >= 0) & (partition >= 0) \
-            & (parent_token < vocab_size) & (row < table_rows) & (rank >= 0) \
-            & (rank < succ_k)
-        found = tl.load(successors + row * succ_k + rank, mask=lookup, other=-1)
-        token = tl.where(depth == level, found.to(tl.int64), token)
-        level += 1
-    return token, depth.to(tl.int64)
 
 
 @triton.jit
@@ -251,7 +120,7 @@ def _tree_finalize_kernel(
     parent = tl.where(in_context, tl.where(c_parent >= 0, c_parent + 1, 0).to(tl.int32),
                       parent)
     depth = tl.where(in_context, c_depth, depth)
-    flag = tl.where(in_context, _TAG_CONTEXT, flag)
+    flag = tl.where(in_context, TAG_CONTEXT, flag)
     score = tl.where(in_context, 0.5, score)
 
     replaced = tl.zeros([], tl.int64)
@@ -259,7 +128,7 @@ def _tree_finalize_kernel(
     if DRAFTS:
         row_stage = tl.load(stage + b * stride_stage)
         (d_token, d_parent, d_depth, d_score, s_token, s_parent, s_depth,
-         replaced) = _select_drafts(
+         replaced) = select_drafts(
             pool_tokens, pool_parents, pool_scores, keep_by_stage, row_stage, b, pool, cap,
             full_stage, draft_top_k, replace_keep, replace_log, draft_offset, spare_offset,
             POOL_PAD, CAP_PAD, REPLACES, PRECISE_EXP)
@@ -268,7 +137,7 @@ def _tree_finalize_kernel(
         token = tl.where(in_draft, tl.gather(d_token, at, 0), token)
         parent = tl.where(in_draft, tl.gather(d_parent, at, 0), parent)
         depth = tl.where(in_draft, tl.gather(d_depth, at, 0), depth)
-        flag = tl.where(in_draft, _TAG_DRAFT, flag)
+        flag = tl.where(in_draft, TAG_DRAFT, flag)
         score = tl.where(in_draft, tl.gather(d_score, at, 0), score)
         if SPARE:
             in_spare = (i >= spare_offset) & (i < num_candidates)
@@ -276,14 +145,14 @@ def _tree_finalize_kernel(
             token = tl.where(in_spare, tl.gather(s_token, at, 0), token)
             parent = tl.where(in_spare, tl.gather(s_parent, at, 0), parent)
             depth = tl.where(in_spare, tl.gather(s_depth, at, 0), depth)
-            flag = tl.where(in_spare, _TAG_DRAFT, flag)
+            flag = tl.where(in_spare, TAG_DRAFT, flag)
             score = tl.where(in_spare, 0.5, score)
 
     lookups = tl.zeros([], tl.int64)
     hits = tl.zeros([], tl.int64)
     if RETRIEVES:
         keep = tl.load(retrieval_keep + tl.minimum(tl.maximum(row_stage, 0), full_stage))
-        r_token, r_depth = _expand_template(
+        r_token, r_depth = expand_template(
             successors, template_parents, template_ranks, root, partition, template_size,
             vocab_size, table_rows, succ_k, T_PAD, LOG_T)
         t = tl.arange(0, T_PAD)
@@ -299,7 +168,7 @@ def _tree_finalize_kernel(
         t_parent = tl.where(t_parent >= 0, t_parent + retrieved_offset, 0).to(tl.int32)
         parent = tl.where(in_retrieved, t_parent, parent)
         depth = tl.where(in_retrieved, tl.gather(r_depth, at, 0), depth)
-        flag = tl.where(in_retrieved, _TAG_RETRIEVED, flag)
+        flag = tl.where(in_retrieved, TAG_RETRIEVED, flag)
         score = tl.where(in_retrieved, t_score, score)
 
     # ---- trie merge ------------------------------------------------------------------
@@ -326,12 +195,12 @@ def _tree_finalize_kernel(
     # canonical candidate: the first valid one of the same hash (the root stays alone);
     # source tags OR-ed and scores max-ed over each group
     key = tl.where(valid & (i > 0), path & hash_mask & 0x7FFFFFFFFFFFFFFF, -1 - i)
-    count = tl.where(flag == _TAG_DRAFT, 1, 0) \
-        + tl.where(flag == _TAG_RETRIEVED, 1 << 10, 0) \
-        + tl.where(flag == _TAG_CONTEXT, 1 << 20, 0)
+    count = tl.where(flag == TAG_DRAFT, 1, 0) \
+        + tl.where(flag == TAG_RETRIEVED, 1 << 10, 0) \
+        + tl.where(flag == TAG_CONTEXT, 1 << 20, 0)
     packed = (score.to(tl.int32, bitcast=True).to(tl.int64) << 32) | count
-    canon, merged_flag, merged_score = _merge_groups(key, key, key, key, packed, N_PAD,
-                                                     BLOCK, False)
+    canon, merged_flag, merged_score = merge_groups(key, key, key, key, packed, N_PAD,
+                                                    BLOCK, False)
     # the hash groups are the merge groups if every candidate has the token, depth and
     # canonical parent of its group's first one (hashes never split a merge group, only
     # a collision may join two); else the exact rule to its fixed point, a pass per
@@ -343,7 +212,7 @@ def _tree_finalize_kernel(
     passes = tl.zeros([], tl.int32)
     while changed & (passes < N_PAD):
         under = tl.where(valid & (i > 0), tl.gather(canon, parent, 0), -1 - i)
-        new_canon, merged_flag, merged_score = _merge_groups(
+        new_canon, merged_flag, merged_score = merge_groups(
             token, depth, under, key, packed, N_PAD, BLOCK, True)
         changed = tl.max((new_canon != canon).to(tl.int32), axis=0) > 0
         canon = new_canon
@@ -380,7 +249,7 @@ def _tree_finalize_kernel(
                              row_token)
         row_parent = tl.where(pad, leaf, row_parent)
         row_depth = tl.where(pad, leaf_depth + 1, row_depth)
-        row_source = tl.where(pad, _TAG_PAD, row_source)
+        row_source = tl.where(pad, TAG_PAD, row_source)
         row_score = tl.where(pad, 0.0, row_score)
         row_valid = real | pad
         nodes = tl.zeros([], tl.int64) + rows
@@ -401,7 +270,7 @@ def _tree_finalize_kernel(
     tl.store(tree_source + out, row_source.to(tl.uint8), mask=in_rows)
     tl.store(tree_score + out, row_score, mask=in_rows)
     tl.store(num_nodes + b * stride_nodes, nodes)
-    learn = tl.where(row_valid & (row_source != _TAG_PAD) & (partition >= 0),
+    learn = tl.where(row_valid & (row_source != TAG_PAD) & (partition >= 0),
                      row_token + partition * vocab_size, -1)
     tl.store(learn_rows + out, learn, mask=in_rows)
 
@@ -423,12 +292,12 @@ def _tree_finalize_kernel(
              mask=in_rows[:, None] & (w < words)[None, :])
 
     # stats: drafted, retrieved, both, copied, padding, replaced, lookups, hits
-    plain = (row_source | _TAG_CONTEXT) ^ _TAG_CONTEXT  # the tag without copying
-    drafted = tl.sum((row_valid & ((row_source & _TAG_DRAFT) != 0)).to(tl.int64), axis=0)
-    retrieved = tl.sum((row_valid & (plain == _TAG_RETRIEVED)).to(tl.int64), axis=0)
-    both = tl.sum((row_valid & (plain == _TAG_DRAFT + _TAG_RETRIEVED)).to(tl.int64), axis=0)
-    copied = tl.sum((row_valid & ((row_source & _TAG_CONTEXT) != 0)).to(tl.int64), axis=0)
-    padded = tl.sum((row_valid & (row_source == _TAG_PAD)).to(tl.int64), axis=0)
+    plain = (row_source | TAG_CONTEXT) ^ TAG_CONTEXT  # the tag without copying
+    drafted = tl.sum((row_valid & ((row_source & TAG_DRAFT) != 0)).to(tl.int64), axis=0)
+    retrieved = tl.sum((row_valid & (plain == TAG_RETRIEVED)).to(tl.int64), axis=0)
+    both = tl.sum((row_valid & (plain == TAG_DRAFT + TAG_RETRIEVED)).to(tl.int64), axis=0)
+    copied = tl.sum((row_valid & ((row_source & TAG_CONTEXT) != 0)).to(tl.int64), axis=0)
+    padded = tl.sum((row_valid & (row_source == TAG_PAD)).to(tl.int64), axis=0)
     column = tl.arange(0, 8)
     values = tl.where(column == 0, drafted, tl.where(
         column == 1, retrieved, tl.where(column == 2, both, tl.where(
