@@ -112,15 +112,6 @@ def test_path_probability_multiplies_along_ancestors():
     assert torch.allclose(got, torch.tensor([[1.0, 0.5, 0.25, 0.25, 0.0]], dtype=torch.float64))
 
 
-def test_cost_model_point_lookup_matches_the_tensor_curve():
-    """The per-step refresh reads the curve at one point in plain Python; it must read
-    what the sizer's array path reads, inside the curve and past both of its ends."""
-    cost = CostModel(curves={4: ([4.0, 8.0, 20.0, 68.0], [10.0, 10.5, 13.0, 31.0])})
-    for tokens in [0.0, 4.0, 5.5, 8.0, 19.0, 20.0, 40.0, 68.0, 100.0]:
-        expected = float(cost._curve_ms(4, np.array([tokens]))[0])
-        assert cost._curve_point_ms(4, tokens) == pytest.approx(expected)
-
-
 def test_cost_model_interpolates_extrapolates_and_tracks_measurements(tmp_path):
     cost = CostModel(curves={1: ([1.0, 65.0], [10.0, 12.0]), 9: ([9.0, 585.0], [20.0, 60.0])},
                      key={"model": "m", "device": "d", "dtype": "bf16", "layout": "tp1"})
@@ -146,15 +137,13 @@ def test_past_its_last_point_a_curve_grows_at_least_at_its_mean_slope():
     """A last segment that noise flattened (pooled flat with its neighbour) would price
     every larger step as the last point: the sizer, at a large batch, would then fill
     every tree. Past the last point the curve grows at its mean slope at least, and at
-    its last slope where that is steeper (the point lookup reads the same)."""
+    its last slope where that is steeper."""
     flat_end = CostModel(curves={1: ([1.0, 128.0, 256.0], [10.0, 20.0, 19.0])})
     assert flat_end.curves[1][1] == [10.0, 19.5, 19.5]  # pooled: flat past 128
     mean_slope = 9.5 / 255.0
     for tokens in (512.0, 2048.0):
         expected = 19.5 + (tokens - 256.0) * mean_slope
         assert float(flat_end.verify_ms(1, torch.tensor(tokens))) == pytest.approx(expected)
-        assert flat_end._curve_point_ms(1, tokens) == float(
-            flat_end._curve_ms(1, np.array([tokens]))[0])
     steep_end = CostModel(curves={1: ([1.0, 128.0, 256.0], [10.0, 10.0, 30.0])})
     assert float(steep_end.verify_ms(1, torch.tensor(512.0))) == pytest.approx(70.0)
     # the sizer no longer takes the flat end for free nodes: at batch 64 it verifies
@@ -1451,32 +1440,3 @@ def test_chains_observed_as_lists_teach_what_their_tensors_teach():
         for name in ("trials", "accepts"):
             assert torch.equal(getattr(by_tensors.chain_acceptance, name),
                                getattr(by_lists.chain_acceptance, name)), (trial, name)
-
-
-def test_the_small_count_choice_is_the_arrays_choice_to_the_last_bit():
-    """A chain step's few candidates are counted in Python, a tree step's many with
-    numpy; on random curves (one or several batch sizes, integer or fractional token
-    points), learned step costs and candidate odds both give the same count, expected
-    tokens and step time."""
-    import random
-
-    from vllm_graft.core.budget import _best_count_arrays, _best_count_small
-
-    rng = random.Random(3)
-    for case in range(300):
-        curves = {}
-        for size in rng.sample([1, 2, 4, 8, 16, 32], rng.randint(1, 3)):
-            points = sorted(rng.sample(range(1, 200), rng.randint(2, 6)))
-            tokens = [float(p) for p in points] if case % 2 else points
-            ms = sorted(rng.uniform(5.0, 60.0) for _ in points)
-            curves[size] = (tokens, ms)
-        cost = CostModel(curves, overhead_ms=rng.uniform(0, 5), per_node_ms=rng.uniform(0, 0.5))
-        mode = rng.choice([StepMode.CHAIN, StepMode.TREE])
-        for _ in range(rng.randint(0, 12)):
-            cost.observe_step(rng.choice([mode, StepMode.PLAIN]), rng.randint(1, 40),
-                              rng.randint(0, 30), rng.uniform(10, 80), rng.uniform(5, 50))
-        batch = rng.randint(1, 40)
-        prob = sorted((rng.random() ** rng.choice([1, 4]) for _ in range(rng.randint(0, 64))),
-                      reverse=True)
-        assert _best_count_small(prob, batch, cost, mode) == \
-            _best_count_arrays(np.array(prob), batch, cost, mode), case

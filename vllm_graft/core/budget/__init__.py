@@ -24,8 +24,7 @@ from vllm_graft.core.budget.acceptance_model import (CALIBRATION_EVIDENCE_TRIALS
                                                      class_index, context_scores,
                                                      host_array, score_buckets_of,
                                                      source_classes)
-from vllm_graft.core.budget.choice import (Choice, _best_count_arrays, _best_count_small,
-                                           choose_nodes, path_probability)
+from vllm_graft.core.budget.choice import Choice, choose_nodes, path_probability
 from vllm_graft.core.budget.cost import (CostModel, StepCosts, batch_bucket,
                                          nearest_buckets, non_decreasing)
 from vllm_graft.core.budget.guard import FORGOTTEN, ThroughputGuard, _ModeStats, mostly_new

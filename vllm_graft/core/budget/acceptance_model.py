@@ -118,7 +118,7 @@ class AcceptanceModel:
         depth = min(max(depth, 1), self.max_depth) - 1
         bucket = min(int(min(max(score, 0.0), 1.0) * self.score_buckets),
                      self.score_buckets - 1)
-        return (_SOURCE_CLASS_OF_TAG_LIST[tag] * self.max_depth + depth) \
+        return (int(_SOURCE_CLASS_OF_TAG[tag]) * self.max_depth + depth) \
             * self.score_buckets + bucket
 
     def observe_chains(self, chains) -> int:
@@ -184,7 +184,6 @@ class AcceptanceModel:
 _SOURCE_CLASS_OF_TAG = np.array(
     [SOURCE_NAMES.index("context") if tag & SOURCE_CONTEXT else min(max(tag, 1), 3) - 1
      for tag in range(2 * SOURCE_CONTEXT)], dtype=np.int64)
-_SOURCE_CLASS_OF_TAG_LIST = _SOURCE_CLASS_OF_TAG.tolist()
 
 
 # np.clip is avoided below: on arrays of a few dozen entries its Python wrapper costs

@@ -10,7 +10,6 @@ subtrees under the roots. Choosing no node means plain decoding for that request
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,42 +104,12 @@ def _choose_nodes(path_prob: np.ndarray, valid: np.ndarray, cost: CostModel,
                   expected_tokens=expected, step_ms=step_ms)
 
 
-#: candidates up to which the sizer counts in Python (a chain step's few), not numpy
-SMALL_CHOICE = 32
-
-
 def _best_count(ordered_prob, batch: int, cost: CostModel, mode: StepMode
                 ) -> tuple[int, float, float]:
     """How many of the candidate nodes, best first (``ordered_prob``: their path
     probabilities in that order), to verify for the most expected tokens per ms, with
     the expected tokens and step time of that choice."""
-    if len(ordered_prob) <= SMALL_CHOICE:
-        return _best_count_small(ordered_prob, batch, cost, mode)
-    return _best_count_arrays(ordered_prob, batch, cost, mode)
-
-
-def _best_count_arrays(ordered_prob, batch: int, cost: CostModel, mode: StepMode
-                       ) -> tuple[int, float, float]:
     expected = batch + np.concatenate(([0.0], np.cumsum(ordered_prob, dtype=np.float64)))
     time = cost._step_ms(batch, np.arange(len(ordered_prob) + 1, dtype=np.float64), mode)
     best = int(np.argmax(expected / time))
     return best, float(expected[best]), float(time[best])
-
-
-def _best_count_small(ordered_prob, batch: int, cost: CostModel, mode: StepMode
-                      ) -> tuple[int, float, float]:
-    """:func:`_best_count_arrays` in Python: the same arithmetic in the same order, so
-    the same choice to the last bit, without numpy's cost per call."""
-    plain, fixed, per_node = cost.other_costs(batch, mode)
-    verify_ms = cost._verify_point_ms(batch)
-    best, best_rate, best_expected, best_ms = 0, -math.inf, 0.0, 0.0
-    total = 0.0
-    for nodes in range(len(ordered_prob) + 1):
-        if nodes:
-            total += float(ordered_prob[nodes - 1])
-        expected = batch + total
-        step_ms = verify_ms(batch + nodes) + (fixed + per_node * nodes if nodes > 0 else plain)
-        rate = expected / step_ms
-        if rate > best_rate:
-            best, best_rate, best_expected, best_ms = nodes, rate, expected, step_ms
-    return best, best_expected, best_ms

@@ -250,21 +250,6 @@ class CostModel:
         high = self._curve_ms(upper, per_request * upper)
         return low + weight * (high - low)
 
-    def _verify_point_ms(self, batch: int):
-        """:meth:`_verify_ms` at ``batch`` as a function of one point's total tokens, in
-        plain Python (the same arithmetic in the same order); the curves it reads are
-        chosen once."""
-        lower, upper, weight = self._neighbours(batch)
-        if upper == lower:
-            return lambda total_tokens: self._curve_point_ms(lower, total_tokens)
-
-        def interpolated(total_tokens: float) -> float:
-            per_request = total_tokens / batch
-            low = self._curve_point_ms(lower, per_request * lower)
-            high = self._curve_point_ms(upper, per_request * upper)
-            return low + weight * (high - low)
-        return interpolated
-
     def _step_ms(self, batch: int, nodes: np.ndarray, mode: StepMode) -> np.ndarray:
         plain, fixed, per_node = self.other_costs(batch, mode)
         other = np.where(nodes > 0, fixed + per_node * nodes, plain)
@@ -300,16 +285,6 @@ class CostModel:
         beyond = ys[-1] + (tokens - xs[-1]) * _beyond_slope(self.curves[batch])
         return np.where(tokens > xs[-1], beyond, inside)
 
-    def _curve_point_ms(self, batch: int, tokens: float) -> float:
-        """:meth:`_curve_ms` at one point, in plain Python: it runs once per engine step,
-        where even numpy's per-call cost exceeds the arithmetic."""
-        xs, ys = self.curves[batch]
-        if tokens > xs[-1]:
-            return ys[-1] + (tokens - xs[-1]) * _beyond_slope(self.curves[batch])
-        upper = min(max(bisect.bisect_left(xs, tokens), 1), len(xs) - 1)
-        x0, x1, y0, y1 = xs[upper - 1], xs[upper], ys[upper - 1], ys[upper]
-        return y0 + (tokens - x0) * (y1 - y0) / (x1 - x0)
-
     def observe(self, batch: int, total_tokens: int, measured_ms: float,
                 rate: float = 0.1) -> None:
         """Move the nearest measured curve toward a real step's forward time. Half of
@@ -322,7 +297,7 @@ class CostModel:
         if self.frozen:
             return
         nearest = min(self.curves, key=lambda size: abs(size - batch))
-        predicted = self._curve_point_ms(nearest, float(total_tokens))
+        predicted = float(self._curve_ms(nearest, np.float64(total_tokens)))
         if predicted <= 0 or measured_ms <= 0:
             return
         ratio = measured_ms / predicted
