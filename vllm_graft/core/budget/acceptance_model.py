@@ -25,17 +25,12 @@ CALIBRATION_EVIDENCE_TRIALS = 32.0
 class AcceptanceModel:
     """P(node accepted | parent accepted) per (source, depth, score bucket), as Beta counts.
 
-    ``score`` is what is known of a node when the tree is built, in [0, 1]; buckets
-    split it evenly. The engine scores context-copied nodes by the length of their
-    match (:func:`vllm_graft.core.context.match_score`: a long match is copied far more
-    often than a short one), a tree's drafted nodes by their probability under the
-    drafter given their parent (:func:`vllm_graft.core.graft.local_probability`) and its
-    retrieved nodes by their successor rank (:func:`vllm_graft.core.graft.rank_score`):
-    a tree's many siblings are accepted far less often than its first child, and one
-    rate per depth would keep or cut them all. A node proposed by several sources keeps
-    the highest score; nodes of chains walked by the matrix are :data:`UNKNOWN_SCORE`.
-    ``prior_accepts`` / ``prior_trials`` seed every bucket; :meth:`seed` adds the rates
-    a calibration run measured, so a cold model is not blind.
+    ``score`` is what is known of a node when the tree is built, in [0, 1], split into
+    even buckets: a copied node's match score, a drafted node's probability under the
+    drafter, a retrieved node's successor rank score (a node of several sources keeps
+    the highest; matrix-walked chain nodes are :data:`UNKNOWN_SCORE`).
+    ``prior_accepts`` / ``prior_trials`` seed every bucket; :meth:`seed` adds what a
+    calibration measured. Why: docs/design-log.md#acceptance-model.
     """
 
     max_depth: int = 10
@@ -78,12 +73,8 @@ class AcceptanceModel:
 
     def optimistic(self, source, depth, score) -> torch.Tensor:
         """:meth:`conditional` plus ``explore`` standard errors of its estimate (at most
-        1): what the sizer chooses by. A class of nodes is only learned from when it is
-        verified, and a class that was never verified sits at the prior; on a device
-        where every token costs, the prior alone would keep it unverified for ever (a
-        copy chain's second token after a long match, say, whose real odds are above
-        0.9). The margin shrinks as the class is tried, so what is well measured is
-        chosen by its measured odds."""
+        1): what the sizer chooses by, so a class never verified is still tried; the
+        margin shrinks as the class is (why: docs/design-log.md#acceptance-model)."""
         optimistic = self._optimistic_at(self._bucket(source, depth, score))
         return torch.from_numpy(optimistic).to(score.device)
 

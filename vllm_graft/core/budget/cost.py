@@ -81,19 +81,12 @@ class StepCosts:
     """What a decoding step costs besides the target's forward, per mode, learned from
     whole steps: ``fixed + per_node * nodes`` for a step that verifies ``nodes`` nodes.
 
-    The forward curve alone leaves out everything else a step pays: the engine's own
-    scheduling and sampling (plain decoding pays it too), the drafter's forwards, and
-    Graft's work per verified node (its row of logits, sampling, tree attention set-up,
-    the matrix update). A sizer that knows only the forward verifies nodes whose real
-    cost it never sees (humaneval at batch 1: 3.7 tokens verified per step for 1.6
-    accepted, slower than plain). So each measured step's time less its measured
-    forward is a point ``(nodes, extra ms)`` of its mode: the fixed part is fitted per
-    batch bucket (drafting grows with the batch), the per-node part per mode over all
-    buckets (a node costs about the same whatever the batch), each a discounted least
-    squares line (one ``window``-th forgotten per step of the bucket and mode), the
-    slope shrunk toward its prior by ``slope_prior_weight`` (in nodes squared) so a few
-    steps of equal size do not decide it. A point far above the line (a stall of the
-    host, say) counts as at most ``outlier_factor`` times the prediction."""
+    Each measured step's time less its forward is a point ``(nodes, extra ms)`` of its
+    mode: the fixed part is fitted per batch bucket, the per-node part per mode over all
+    buckets, each a discounted least-squares line (one ``window``-th forgotten per step
+    of the bucket and mode), the slope shrunk toward its prior by
+    ``slope_prior_weight`` (in nodes squared). A point counts at most
+    ``outlier_factor`` times the prediction. Why: docs/design-log.md#cost-model."""
 
     window: float = 200.0
     slope_prior_weight: float = 32.0
@@ -161,14 +154,11 @@ class CostModel:
 
     ``curves`` maps a batch size to ``(tokens, ms)``: increasing total query tokens of
     the batch and the forward's time there. Between measured batch sizes the time is
-    interpolated linearly; past the last point of a curve it grows with the curve's last
-    slope, or its mean slope where that is steeper: a last segment that noise flattened
-    (pooled with its neighbour by :func:`non_decreasing`) would price every larger step
-    as the last point, and the sizer would fill every tree. The other costs are learned
-    from whole steps (:class:`StepCosts`); until a mode has run, and always for a
-    ``frozen`` profile, a tree step pays ``overhead_ms`` (drafting, bookkeeping) on top
-    of plain decoding's, a chain step what plain decoding pays, and both
-    ``per_node_ms`` (Graft's work per verified node).
+    interpolated linearly; past a curve's last point it grows with its last slope, or
+    its mean slope where that is steeper. The other costs are learned from whole steps
+    (:class:`StepCosts`); until a mode has run, and always for a ``frozen`` profile, a
+    tree step pays ``overhead_ms`` on top of plain decoding's, a chain step what plain
+    decoding pays, and both ``per_node_ms``. Why: docs/design-log.md#cost-model.
     """
 
     curves: dict[int, tuple[list[float], list[float]]]

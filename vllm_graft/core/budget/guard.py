@@ -43,133 +43,18 @@ class _ModeStats:
 class ThroughputGuard:
     """Run each step in the mode measured fastest (emitted tokens per second).
 
-    The cost and acceptance models predict; this measures. Whole decoding steps are
-    timed in every mode, per batch size (power-of-two buckets): a mode's rate is its
-    emitted tokens over its seconds, both sums over its steps discounted by one
-    ``window``-th per engine step, so what a mode measured fades while it does not run.
-
-    Choosing is a discounted upper-confidence-bound bandit: each batch size first runs
-    ``probe_steps`` steps of every mode, then each step the mode whose rate could still
-    be highest, its rate plus ``confidence`` standard errors of its tokens per step
-    (at least ``noise_floor`` of their mean, so even plain decoding's constant yield
-    is re-checked). A speculative mode's yield varies from one token to a whole chain
-    per step: a few lucky or unlucky steps move its bound, not the decision. A mode
-    that measured slower runs again only once its old measurements have faded enough
-    that it might have become faster (a change of text, load or context length), so a
-    much slower mode costs a step now and then, and a mode that was close keeps being
-    compared. Steps with prefill chunks are not measured (their time is not the decoding
-    cost of any mode).
-
-    Plain decoding, the rate every other mode must beat, is measured again whenever its
-    last step at the batch size is more than ``plain_refresh`` guard steps old. Modes
-    are measured at different times and this machine's speed moves; a plain rate
-    measured while the engine was cold or the host busy would otherwise stand, slow and
-    stale, while a speculative mode measured later looks faster and keeps running (a
-    plain step's bound grows back only as its weight fades: dozens of steps). A plain
-    step never costs speed against plain decoding; where a speculative mode really is
-    faster it costs one step in ``plain_refresh + 1`` of its gain.
-
-    A probe of a mode measured slower costs what it loses against the fastest mode:
-    its step time over the fastest's, times the share of the fastest's rate it lacks.
-    A tree step at batch 32 takes four plain steps at half their rate: one probe loses
-    two plain steps. So a slower mode runs again only once the steps since its last run
-    make that loss at most ``probe_share`` of them (a tree probe at batch 32 every 400
-    steps, a chain 16 % slower at twice a plain step's time every 60), however wide its
-    bound has grown. Plain refreshes are not held back: they are the drift check.
-    The first probes at a new batch size follow the same rule, priced at the nearest
-    batch size that measured the mode: plain decoding runs first, and a mode that lost
-    there runs once the steps since this batch size was first seen pay for that loss.
-    A batch draining to its end passes through every smaller batch size within a few
-    steps each, and a tree probe at 15 requests, with the drafter catching up on every
-    position it missed, cost 8 plain steps there; a mode that was faster (or a batch
-    size with no measured neighbour) is probed at once.
-
-    A record that has faded to under :data:`FORGOTTEN` of its weight (about 6,900 steps
-    at the default window) is dropped, and the batch size counts as first seen again:
-    its modes are measured afresh. Left in place, its sums would
-    go on shrinking until they underflow to zero; a plain record at zero has no rate,
-    no refresh runs for a mode without one, and its first probe is long past: a batch
-    size served again after some 75,000 steps at others (an hour of a busy server)
-    would have run trees at every step from then on, at a third of plain's rate.
-
-    A step chosen to measure (a first probe, a plain refresh) says so in ``measuring``:
-    nothing may run another mode in its place (:class:`ChainScout` looks only at the
-    plain steps the guard prefers), or that measurement never happens and is asked for
-    again at every step.
-
-    A step that took more than ``outlier_steps`` times its mode's mean step at the batch
-    size counts as that long. On a CPU the first step at a new query length sets up its
-    kernels (oneDNN primitives: a copy-chain step at batch 8 took 690 ms where its mode's
-    steps took 130), and a page-fault storm or another process can stall any step. Such
-    a step is no cost of its mode, yet it falls mostly on the modes whose query lengths
-    vary (chains and trees; plain decoding's shape is fixed per batch size). Counted
-    whole, one such step among a dozen cuts the mode's rate by a third, and holds it down
-    for about ``window`` steps, in which a mode measured slower runs only as a probe: a
-    few unlucky steps early in an engine's life would decide its choice for a long
-    while. A mode's regular dear steps (a tree step feeding the drafter what it missed)
-    stay well inside the cap.
-
-    A step at several requests counts as many tokens as its median request emitted,
-    times the requests (:meth:`credited_tokens`), not their sum. Speculation's gain is
-    uneven over a batch: the requests whose text matches (a copy, a recited fact) accept
-    whole chains while the others emit one token, and the batch pays every chain's
-    verification. Tokens gained by a few requests are worth less to the batch than
-    their count: a closed batch ends with its slowest request, so the leaders' extra
-    tokens end in steps of a shrinking batch at almost a full step's cost; where slots
-    refill, requests that finish at different steps each bring a new prompt's prefill
-    into its own step, which costs more per token than one prefill of many prompts.
-    Measured on a 2-core CPU at batch 8 (copy chains alone, SmolLM2-135M, 8 prompts of
-    64 tokens, against plain decoding's steps in another engine the same hour): on
-    mtbench chain steps emitted 1.02x plain decoding's tokens per second by their sum
-    and 0.94x by the median request's; the batch took 61 steps against plain's 63, each
-    dearer, and lost to plain end to end. On humaneval (1.13x by sum, 1.07x by median)
-    it took 49 steps. Crediting the median request speculates where the typical
-    request gains; at one request it is that request's tokens, as before.
-    ``credit_median`` off credits the sum.
-
-    A speculative step at several requests also counts ``batch_charge`` more than the
-    time it took. What speculation costs a batch besides its steps falls outside any
-    step: requests drift apart, so a closed batch waits for its slowest, and where slots
-    refill, each finished request brings a prompt's prefill into a step of its own.
-    The median request's credit sees part of that, not all. Measured on a 2-core CPU at
-    batch 32 (SmolLM2-135M, humaneval, 64 tokens a request): in one engine the guard ran
-    copy chains in 29 of 49 steps, whose credited rate was 1.04x plain decoding's; in
-    another, 16 chain steps of 78 ms (its plain steps took 46) saved one decoding step
-    of 63 and cost about 0.5 s. The benchmark's fresh engines ran at 0.89x plain in each
-    of five rounds. A mode that does not beat plain decoding by more than the charge at
-    several requests is not worth the risk; at one request nothing drifts and nothing is
-    charged.
-
-    What copy chains measured is a property of the text they ran on: whether it copies
-    its context. When requests join the batch (:meth:`requests_joined`), the chains'
-    record of other text counts as at most ``text_steps`` steps for a batch whose every
-    request is new (geometrically between its weight and that for fewer), so the new
-    text's own chain steps decide within a few steps. Measured on a 2-core CPU at batch
-    8 (SmolLM2-135M, 64 tokens a request): an engine that ran chains in 40 of 50 steps
-    of humaneval, where they paid, went on to run them in 58 of 62 steps of the chat
-    prompts that followed, where they lost; the record of one batch outweighed the next
-    batch's evidence for about as long as a batch lasts. A few steps' worth stays, not
-    less: then the first chain step on the new text does not decide alone (a step that
-    meets a new query length sets up its kernels on this CPU, and one slow step, capped
-    at three mean steps, would otherwise make chains measure slow and hold their next
-    probe back for hundreds of steps).
-    Plain decoding's and trees' records stay: their step's cost does not depend on the
-    text, and a drafter's odds depend more on the models than on it.
-
-    The non-tree modes do not run the drafter; the adapter feeds it the positions it
-    missed just before the next tree step, so its cache stays complete.
-
-    What the adapter spends outside tree steps only so that trees can run (the drafter
-    reading a new batch's prompts, keeping the rows of the requests it follows while
-    another mode decodes them) is charged to trees (:meth:`charge`): their record's
-    seconds grow, its steps and tokens do not, so their rate falls and a probe of them
-    is priced higher. Counted in the steps where it fell, that time slowed whichever
-    mode ran them (mostly plain decoding), and the probe rule priced a tree probe at its
-    step alone. Measured on a 2-core CPU at batch 32 (SmolLM2-135M, 64 tokens a request, 24
-    runs of 32 requests in one engine): the drafter followed six batches, its forwards
-    taking 0.1-0.27 s of each, for three tree probes (four tree steps); those six runs
-    lost 2.1 s of the engine's 234 (0.9 %) against the same engine decoding plainly,
-    where the probe rule allows 0.5 %.
+    Per batch bucket, each mode's steps are timed (steps with prefill are not) and their
+    tokens and seconds summed, discounted by one ``window``-th per step. A bucket first
+    runs ``probe_steps`` of each mode (a mode that lost at the nearest bucket once the
+    steps since pay for it); then the mode of highest upper bound (rate plus
+    ``confidence`` standard errors of its tokens per step, at least ``noise_floor`` of
+    their mean), a slower mode only once the steps since its last run pay
+    ``probe_share`` for its loss, and plain decoding whenever its last step is over
+    ``plain_refresh`` steps old. A step counts at most ``outlier_steps`` mean steps, a
+    speculative one at several requests ``batch_charge`` more, and as many tokens as its
+    median request times the requests (``credit_median``). New text shrinks the chains'
+    record to ``text_steps`` (or drops it: ``scout_new_batches``); a record faded under
+    :data:`FORGOTTEN` is dropped. Why: docs/design-log.md#throughput-guard.
     """
 
     modes: tuple[StepMode, ...] = (StepMode.TREE, StepMode.PLAIN)
@@ -247,24 +132,11 @@ class ThroughputGuard:
 
     def within_reach(self, batch: int, mode: StepMode, share: float = 0.8) -> bool:
         """Whether ``mode`` may still be worth preparing for at ``batch``: it is one of
-        the guard's modes and the rate it could have (its upper bound, which widens as
-        its measurements fade) is at least ``share`` of the fastest mode's measured
-        rate there, of the modes measured there (a mode not measured yet is no reason
-        to prepare for another: a fresh engine's warm-up measured trees and plain
-        decoding at batch 32, not chains, and the drafter read every prompt of the
-        first batches there, 2 % of their time, where trees ran at a fifth of plain
-        decoding's rate). A batch size where ``mode`` or every other mode was not
-        measured is judged by a neighbouring one (half or twice) that was: a batch of 32
-        whose prompts arrive in two prefill chunks is seen at 16 requests first, and the
-        drafter followed every one of them, reading each prompt, where trees at 32 were
-        far too slow to run. True where neither neighbour was measured either.
-
-        A mode measured slower is also in reach only once its next probe is due within
-        ``window`` steps (:meth:`_probe_due`): preparing for a mode that will not run
-        for hundreds of steps is pure cost. Measured on a 2-core CPU at batch 8: once
-        a tree probe's record had faded (after about 400 steps), the bound put trees in
-        reach, and the drafter read every prompt and caught up on every step, 2-4 % of
-        each run, while the probe rule held the next tree step 700 steps away."""
+        the guard's modes, its upper bound is at least ``share`` of the fastest measured
+        mode's rate, and, measured slower, its next probe is due within ``window`` steps.
+        A bucket short of ``mode`` or of another measured mode is judged by a neighbour
+        (half or twice) that has both; True where neither has. Why:
+        docs/design-log.md#throughput-guard."""
         if mode not in self.modes:
             return False
         bucket = batch_bucket(batch)
@@ -361,19 +233,10 @@ class ThroughputGuard:
     def requests_joined(self, joined: int, batch: int, scouted: bool = False) -> None:
         """``joined`` of the ``batch`` requests of the coming steps are new: the copy
         chains' record, measured on text they replace, shrinks by ``text_steps`` over
-        its weight, to the power of the new share (class doc). Its sums shrink alike:
-        its rate, mean step and last step stay, so a chain measured slower is not
-        probed sooner, though its confidence bound widens with the lost weight.
-
-        Where a :class:`ChainScout` looks at new batches (``scouted``) and at least half
-        of a batch of several requests is new, the record is dropped instead (with
-        ``scout_new_batches``): chains run on the new text once the scout, which reads
-        it, finds them worth a step, and from then on the guard measures them as ever.
-        A record of faster chains on other text, weighing two steps, put the chains'
-        bound above plain decoding's: the guard ran one to three chain steps at the
-        start of each batch that did not copy, each at 1.4-1.9 plain steps at batch 32
-        (measured on a 2-core CPU, SmolLM2-135M, chat after code). At one request the
-        record shrinks as above: nothing there waits for a slower request."""
+        its weight, to the power of the new share; its rate, mean step and last step
+        stay. Where a :class:`ChainScout` looks at new batches (``scouted``,
+        ``scout_new_batches``) and at least half of a batch of several requests is new,
+        the record is dropped instead. Why: docs/design-log.md#throughput-guard."""
         if joined <= 0 or batch <= 0:
             return
         if scouted and self.scout_new_batches and batch >= 2 and mostly_new(joined, batch):
@@ -404,7 +267,8 @@ class ThroughputGuard:
 
     def charge(self, mode: StepMode, batch: int, seconds: float) -> None:
         """Add ``seconds`` spent outside ``mode``'s steps only so that it can run, at
-        ``batch`` requests, to its record there (class doc): its rate falls, its steps,
+        ``batch`` requests, to its record there (the drafter reading prompts and
+        catching up, charged to trees): its rate falls, its steps,
         tokens and the step it last ran stay (its next probe is priced higher, not
         reset). Nothing where ``mode`` has no record at that batch size yet: its first
         probe measures it."""

@@ -26,60 +26,14 @@ class ChainScout:
     """While the throughput guard decodes plainly, a look now and then at the copy chains
     the batch's contexts offer, and a chain step when they promise to beat plain decoding.
 
-    The guard is blind to the text: it knows what each mode measured over recent steps on
-    whatever ran then. When the text changes (requests that edit their own context arrive
-    where chat ran), chains may have become faster, but the guard runs a mode it measured
-    slower only as often as its probe budget allows (a chain 16 % slower at twice a plain
-    step's time: once in 60 steps at batch 32), and a batch of short requests may finish
-    before that (code edits at batch 32 ran 62 of 65 steps plainly, where chains alone
-    were 1.16x plain). The sizer does see the text: from the match lengths and the
-    learned acceptance it predicts a chain step's emitted tokens, from the cost model its
-    time. Those predictions are corrected by how they fared: measured over predicted
-    tokens, and measured over predicted milliseconds, over recent chain steps (whatever
-    ran them). Every ``every`` plain steps the scout builds the chains the step could
-    verify, and the step runs them when the corrected prediction beats plain decoding's
-    measured rate by ``margin``; while they keep promising, it looks again at every plain
-    step the guard prefers (never at one it chose to measure: a plain refresh the scout
-    replaced would be asked for again at every step, and plain decoding's rate, which
-    the scout compares with, would never be measured again). The guard measures such a
-    step like any chain step, so chains that really are faster take over through its own
-    choice, and a prediction that fared badly shrinks its correction until it stops
-    firing. Each look's chains also teach the acceptance model once decoding has emitted
-    their positions (:func:`copied_prefix`), so its odds for copied nodes do not stay at
-    the cold prior while no chain runs.
-
-    The correction counts ``prior_steps`` steps that fared as predicted besides the
-    measured ones: a chain step or two cannot silence the scout. The only chain step a
-    fresh engine had run was the guard's first probe, in the warm-up, on chat (on
-    8 requests, 8 tokens credited of 13.5 predicted, at a new query length's set-up
-    cost): its correction of 0.42 alone decided that humaneval's first copies (53 tokens
-    predicted in 76 ms, 2.5 times plain decoding's rate) did not beat plain decoding,
-    and as the scout never fired, no chain step came to revise it: no chain ran in the
-    engine's 190 steps of three datasets. Another engine, started alike, drew 0.49;
-    the same look fired, and chains ran in 36 of humaneval's 53 steps. Measured on a
-    2-core CPU at batch 8 (the traced engine's steps ran about a tenth slower than the
-    other's); in the sweeps' rounds that started their engines in its order, budget auto
-    ran no chain on humaneval in 5 of 5.
-
-    A look builds and sizes the batch's chains: about 1 ms at batch 8 on a 2-core CPU,
-    4 % of a plain step there, paid once in ``every`` plain steps. Where looks keep
-    finding nothing (chat, where the guard rightly decodes plainly), each look that does
-    not promise doubles the steps until the next, up to ``max_every``; one that promises
-    keeps them at ``every`` at most, and so does new text: a request joining the batch
-    (:meth:`text_changed`), which is when chains may have become worth it.
-
-    A batch that is at least half new is looked at from its first plain step, each look
-    that does not promise doubling the steps to the next (steps 1, 3, 7, 15, ...). New
-    requests copy the most in their first steps, and a look after the first token sees
-    matches one token long: humaneval's eight requests at batch 8 repeat their
-    function's signature from the prompt around their seventh token, accepting whole
-    chains for a few steps. Looking every ``every`` steps, a fresh engine's scout looked
-    at step 1 (nothing promised) and next at step 17, after the copies; the guard's own
-    choice reached them in some engines and not in others, and a batch whose first
-    chains came late took 63-64 steps, as plain decoding, where one whose chains came
-    in time took 51-54 (measured on a 2-core CPU, SmolLM2-135M, 64 tokens a request).
-    A request joining a batch of older ones only brings the looks back to ``every``:
-    under a steady stream of arrivals, a look at every step would cost 4 % of each.
+    A look builds and sizes the chains the step could verify; they promise when their
+    predicted rate (the sizer's tokens over the cost model's ms, times
+    :meth:`correction`) beats plain decoding's measured rate by ``margin``. Looks come
+    at the plain steps the guard prefers (never at one it chose to measure), every
+    ``every`` of them; each look that does not promise doubles the wait, up to
+    ``max_every``; a promising look or a joining request brings it back to ``every``,
+    and a batch at least half new is looked at from its first plain step (steps 1, 3,
+    7, ...). Why: docs/design-log.md#chain-scout.
     """
 
     def __init__(self, every: int = 8, margin: float = 0.05, window: float = 50.0,
@@ -112,7 +66,7 @@ class ChainScout:
     def text_changed(self, joined: int, batch: int) -> None:
         """``joined`` of the ``batch`` requests of the coming steps are new: look every
         ``every`` plain steps again, or, where at least half the batch is new, at the
-        next plain step and back off from there (class doc)."""
+        next plain step and back off from there."""
         if mostly_new(joined, batch):
             self.interval, self.plain_steps = 1, 0
         else:
@@ -120,8 +74,8 @@ class ChainScout:
 
     def correction(self) -> float:
         """Measured over predicted rate of recent chain steps, with ``prior_steps``
-        more steps that measured what was predicted of the mean one (class doc; 1 before
-        any)."""
+        more steps that measured what was predicted of the mean one, so a chain step or
+        two cannot silence the scout (1 before any)."""
         if (self.weight <= 0 or self.predicted_tokens <= 0 or self.measured_ms <= 0
                 or self.predicted_ms <= 0):
             return 1.0
@@ -151,10 +105,8 @@ class ChainScout:
         """The chain step the last look fired was measured: ``gained`` whether it
         emitted more than a plain step would have (the guard's credit over one token a
         request). One that gained nothing counts as a look that did not promise: the
-        next look waits twice as long as the one before. Kept at ``every`` at most, a
-        scout that fired on chat looked again within 8 steps and fired again (two chain
-        steps a run on mtbench and gsm8k at batch 8, each emitting a token a request
-        at 1.2-1.6 plain steps' time, on a 2-core CPU)."""
+        next look waits twice as long as the one before (why:
+        docs/design-log.md#chain-scout)."""
         if self.promised and not gained:
             self.promised = False
             self.interval = self.unpromised_interval

@@ -25,12 +25,8 @@ class TreeSizer:
     def __init__(self, cost: CostModel, acceptance: AcceptanceModel | None = None,
                  chain_acceptance: AcceptanceModel | None = None):
         """``acceptance``: the model of tree steps' nodes; ``chain_acceptance``: of copy
-        chains' (default: a fresh model with ``acceptance``'s settings). They are
-        different populations: a chain's retrieved nodes are the successor matrix's
-        top-1 walk, a tree's mostly lower-ranked siblings of its template, accepted far
-        less often; one model taught by both would cut chains to what trees taught it
-        (at batch 8 on gsm8k, chains kept 3.7 nodes a step and no retrieved one, where
-        chains alone kept 10.4 and had 2.4 retrieved tokens a step accepted)."""
+        chains' (default: a fresh model with ``acceptance``'s settings), a population of
+        its own (why: docs/design-log.md#sizer)."""
         self.cost = cost
         self.acceptance = acceptance or AcceptanceModel()
         self.chain_acceptance = chain_acceptance or replace(self.acceptance)
