@@ -1,10 +1,10 @@
 """Hand the memory glibc's allocator keeps after frees back to the system, now and then.
 
 A long-running engine's resident size climbs in steps under varied load although
-nothing leaks (``scripts/heap_trace.py``; bench/results/README.md, "A flat resident
-size"): glibc keeps freed chunks inside its heaps for reuse, and a batch larger than any
-before (tree rows' logits, a long prefill) leaves a new high-water mark that ``free``
-never returns.
+nothing leaks (``scripts/heap_trace.py``; the soak runs of 2026-12-02 in
+bench/results/LOG.md): glibc keeps freed chunks inside its heaps for reuse, and a batch
+larger than any before (tree rows' logits, a long prefill) leaves a new high-water mark
+that ``free`` never returns.
 ``malloc_trim(0)`` gives back every whole free page, from the middle of the heaps too,
 so after each trim the resident size is what is live again. One trim of a worker's
 multi-GB heap took 7 to 20 ms here; once per ``every_s`` seconds of engine steps that
