@@ -1440,3 +1440,32 @@ def test_chains_observed_as_lists_teach_what_their_tensors_teach():
         for name in ("trials", "accepts"):
             assert torch.equal(getattr(by_tensors.chain_acceptance, name),
                                getattr(by_lists.chain_acceptance, name)), (trial, name)
+
+
+def test_the_budget_systems_are_built_from_the_config():
+    """build_budget_systems gives the sizer always, the guard with auto_guard (tuned by
+    graft.guard, choosing among guard_modes) and the scout where the guard chooses
+    between copy chains and plain decoding; a calibration's tallies seed both
+    acceptance models."""
+    from vllm_graft.core.budget import ChainScout, ThroughputGuard, build_budget_systems
+    from vllm_graft.core.config import GraftConfig
+
+    cost = CostModel(curves={1: ([1.0, 64.0], [10.0, 12.0])})
+    systems = build_budget_systems(GraftConfig.from_dict({"guard": {"window": 40}}), cost)
+    assert systems.sizer.cost is cost and not systems.sizer.acceptance.seeded
+    assert isinstance(systems.guard, ThroughputGuard) and systems.guard.window == 40.0
+    assert systems.guard.modes == (StepMode.TREE, StepMode.CHAIN, StepMode.PLAIN)
+    assert isinstance(systems.scout, ChainScout) and systems.scout.every == 8
+    assert build_budget_systems(GraftConfig.from_dict({"guard_modes": ["tree", "plain"]}),
+                                cost).scout is None
+    assert build_budget_systems(GraftConfig.from_dict({"chain_scout_every": 0}),
+                                cost).scout is None
+    sizer, guard, scout = build_budget_systems(GraftConfig.from_dict({"auto_guard": False}),
+                                               cost)
+    assert guard is None and scout is None
+
+    class Calibration:  # the two tallies a calibration file holds
+        acceptance = chain_acceptance = _tally(context=([[4] * 4], [[2] * 4]))
+
+    sizer = build_budget_systems(GraftConfig(), cost, Calibration()).sizer
+    assert sizer.acceptance.seeded and sizer.chain_acceptance.seeded

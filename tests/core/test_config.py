@@ -112,3 +112,28 @@ def test_guard_modes_need_the_guard_and_survive_a_round_trip():
             ({"budget": "auto", "chain_scout_every": -1}, "graft.chain_scout_every")]:
         with pytest.raises(GraftConfigError, match=message):
             GraftConfig.from_dict(data)
+
+
+def test_the_guard_section_tunes_the_throughput_guard_and_names_a_bad_key():
+    """graft.guard holds the throughput guard's tuning: its defaults are the guard's,
+    a bad value is refused naming its key, and it needs the guard running."""
+    from vllm_graft.core.budget import ThroughputGuard
+
+    config = GraftConfig.from_dict({"guard": {"window": 50, "probe_share": None}})
+    assert config.guard.window == 50.0 and config.guard.probe_share is None
+    defaults = GraftConfig().guard.model_dump()
+    assert defaults == {name: getattr(ThroughputGuard(), name) for name in defaults}
+    assert len(defaults) == 11
+    assert GraftConfig.from_dict(config.model_dump(mode="json")) == config
+    for data, message in [
+            ({"guard": {"window": 0.5}}, "graft.guard.window"),
+            ({"guard": {"probe_share": 0}}, "graft.guard.probe_share"),
+            ({"guard": {"outlier_steps": 1}}, "graft.guard.outlier_steps"),
+            ({"guard": {"batch_charge": -1}}, "graft.guard.batch_charge"),
+            ({"guard": {"text_steps": 0.5}}, "graft.guard.text_steps"),
+            ({"guard": {"confidence": "high"}}, "graft.guard.confidence"),
+            ({"guard": {"windows": 50}}, "graft.guard.windows: unknown key"),
+            ({"budget": 60, "guard": {"window": 50}}, "guard configure the throughput"),
+            ({"auto_guard": False, "guard": {"window": 50}}, "auto_guard on")]:
+        with pytest.raises(GraftConfigError, match=message):
+            GraftConfig.from_dict(data)

@@ -15,6 +15,8 @@ from typing import Any, Literal
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
                       model_validator)
 
+from vllm_graft.core.guard_config import GuardConfig
+
 
 class GraftConfigError(ValueError):
     """A Graft setting (or a file it names) is invalid; the message names the key."""
@@ -353,6 +355,9 @@ class GraftConfig(BaseModel):
         "doubles the steps to the next, up to 8 times this, until a request joins the "
         "batch; a batch at least half new is looked at on its plain steps 1, 3, 7, ... "
         "(0: never look)")
+    guard: GuardConfig = Field(
+        default_factory=GuardConfig, description="the throughput guard's tuning: how it "
+        "measures the modes and chooses among them")
     successor_state: SuccessorStateConfig | None = Field(
         None, description="file the learned successor matrix is loaded from at start-up and "
         "saved to periodically and at shutdown; unset: it lives in memory only")
@@ -487,8 +492,9 @@ class GraftConfig(BaseModel):
                              f"'global' (isolation is {self.isolation.mode!r})")
         fields = type(self).model_fields
         guard_keys = [key for key in ("chain_tokens", "chain_walk", "chain_scout_every",
-                                      "guard_modes")
-                      if getattr(self, key) != fields[key].default]
+                                      "guard_modes", "guard")
+                      if getattr(self, key) != fields[key].get_default(
+                          call_default_factory=True)]
         if guard_keys and not (self.auto_size and self.auto_guard):
             raise ValueError(f"{', '.join(sorted(guard_keys))} configure the throughput "
                              f"guard, which runs with budget \"auto\" (and auto_guard on)")

@@ -13,7 +13,8 @@ worth its tokens if it is likely to be accepted. One module per part, all on the
 * :mod:`.guard`: each step in the mode measured fastest (:class:`ThroughputGuard`).
 * :mod:`.scout`: a chain step when the batch's copy chains promise to beat plain
   decoding (:class:`ChainScout`).
-* :mod:`.sizer`: the per-step facade over these (:class:`TreeSizer`).
+* :mod:`.sizer`: the per-step facade over these (:class:`TreeSizer`), and
+  :func:`build_budget_systems`, which assembles sizer, guard and scout from the config.
 
 Why each works as it does (measured episodes, tuning reasons): docs/design-log.md.
 """
@@ -29,14 +30,14 @@ from vllm_graft.core.budget.cost import (CostModel, StepCosts, batch_bucket,
                                          nearest_buckets, non_decreasing)
 from vllm_graft.core.budget.guard import FORGOTTEN, ThroughputGuard, _ModeStats, mostly_new
 from vllm_graft.core.budget.scout import ChainScout, copied_prefix
-from vllm_graft.core.budget.sizer import TreeSizer
+from vllm_graft.core.budget.sizer import BudgetSystems, TreeSizer, build_budget_systems
 from vllm_graft.core.hybrid import UNKNOWN_SCORE
 
 __all__ = [
     "CALIBRATION_EVIDENCE_TRIALS", "FORGOTTEN", "SOURCE_NAMES", "UNKNOWN_SCORE",
-    "AcceptanceModel", "AcceptanceTally", "ChainScout", "Choice", "CostModel",
-    "SourceAcceptance", "StepCosts", "ThroughputGuard", "TreeSizer", "_ModeStats",
-    "batch_bucket", "choose_nodes", "class_index", "context_scores", "copied_prefix",
-    "host_array", "mostly_new", "nearest_buckets", "non_decreasing", "path_probability",
-    "score_buckets_of", "source_classes",
+    "AcceptanceModel", "AcceptanceTally", "BudgetSystems", "ChainScout", "Choice",
+    "CostModel", "SourceAcceptance", "StepCosts", "ThroughputGuard", "TreeSizer",
+    "_ModeStats", "batch_bucket", "build_budget_systems", "choose_nodes", "class_index",
+    "context_scores", "copied_prefix", "host_array", "mostly_new", "nearest_buckets",
+    "non_decreasing", "path_probability", "score_buckets_of", "source_classes",
 ]

@@ -7,8 +7,11 @@ import math
 import statistics
 from dataclasses import dataclass, field, replace
 
+from pydantic import ValidationError
+
 from vllm_graft.core.budget.cost import batch_bucket, nearest_buckets
-from vllm_graft.core.config import StepMode
+from vllm_graft.core.config import StepMode, format_validation_error
+from vllm_graft.core.guard_config import GuardConfig
 
 
 def mostly_new(joined: int, batch: int) -> bool:
@@ -20,6 +23,8 @@ def mostly_new(joined: int, batch: int) -> bool:
 #: the share of its weight below which a faded guard record is dropped
 #: (:class:`ThroughputGuard`): far above where its sums lose precision or underflow
 FORGOTTEN = 1e-30
+#: the throughput guard's tuning defaults (graft.guard)
+_TUNING = GuardConfig()
 
 
 @dataclass
@@ -58,17 +63,18 @@ class ThroughputGuard:
     """
 
     modes: tuple[StepMode, ...] = (StepMode.TREE, StepMode.PLAIN)
-    probe_steps: int = 1
-    window: float = 100.0
-    confidence: float = 2.0
-    noise_floor: float = 0.2
-    plain_refresh: int = 16  # 0: never forced
-    probe_share: float | None = 0.005  # None: a slower mode runs whenever its bound wins
-    outlier_steps: float | None = 3.0  # None: every step counts as long as it took
-    credit_median: bool = True  # False: a step counts its requests' summed tokens
-    batch_charge: float = 0.1  # a speculative step at several requests counts 1.1x its time
-    text_steps: float = 2.0  # the most steps the chains' record weighs for a new batch
-    scout_new_batches: bool = True  # a scouted new batch of several drops that record
+    # the tuning knobs: meaning, default and bounds are graft.guard's (GuardConfig)
+    probe_steps: int = _TUNING.probe_steps
+    window: float = _TUNING.window
+    confidence: float = _TUNING.confidence
+    noise_floor: float = _TUNING.noise_floor
+    plain_refresh: int = _TUNING.plain_refresh
+    probe_share: float | None = _TUNING.probe_share
+    outlier_steps: float | None = _TUNING.outlier_steps
+    credit_median: bool = _TUNING.credit_median
+    batch_charge: float = _TUNING.batch_charge
+    text_steps: float = _TUNING.text_steps
+    scout_new_batches: bool = _TUNING.scout_new_batches
     stats: dict[tuple[int, StepMode], _ModeStats] = field(default_factory=dict)
     measured: dict[tuple[int, StepMode], int] = field(default_factory=dict)
     first_seen: dict[int, int] = field(default_factory=dict)  # bucket: guard step
@@ -76,25 +82,10 @@ class ThroughputGuard:
     measuring: bool = False  # the last choice was a first probe or a plain refresh
 
     def __post_init__(self):
-        if self.probe_steps < 1 or self.window <= 1.0:
-            raise ValueError(f"ThroughputGuard needs probe_steps >= 1 and window > 1, got "
-                             f"{self.probe_steps}, {self.window}")
-        if self.confidence < 0 or self.noise_floor < 0 or self.plain_refresh < 0:
-            raise ValueError(f"ThroughputGuard confidence, noise_floor and plain_refresh "
-                             f"must be >= 0, got {self.confidence}, {self.noise_floor}, "
-                             f"{self.plain_refresh}")
-        if self.probe_share is not None and self.probe_share <= 0:
-            raise ValueError(f"ThroughputGuard probe_share must be > 0 or None, got "
-                             f"{self.probe_share}")
-        if self.batch_charge < 0:
-            raise ValueError(f"ThroughputGuard batch_charge must be >= 0, got "
-                             f"{self.batch_charge}")
-        if self.text_steps < 1.0:  # a step's weight or more: the outlier cap holds
-            raise ValueError(f"ThroughputGuard text_steps must be >= 1, got "
-                             f"{self.text_steps}")
-        if self.outlier_steps is not None and self.outlier_steps <= 1:
-            raise ValueError(f"ThroughputGuard outlier_steps must be > 1 or None, got "
-                             f"{self.outlier_steps}")
+        try:
+            GuardConfig(**{name: getattr(self, name) for name in GuardConfig.model_fields})
+        except ValidationError as err:
+            raise ValueError(format_validation_error(err, "ThroughputGuard")) from None
         if not self.modes or len(set(self.modes)) != len(self.modes):
             raise ValueError(f"ThroughputGuard needs distinct modes, got {self.modes}")
 

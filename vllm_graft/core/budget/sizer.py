@@ -4,6 +4,7 @@ acceptance models taught from what the target accepted (:class:`TreeSizer`)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -12,8 +13,10 @@ from vllm_graft.core.acceptance import AcceptanceResult
 from vllm_graft.core.budget.acceptance_model import AcceptanceModel, host_array
 from vllm_graft.core.budget.choice import Choice, _best_count, _choose_nodes, _path_probability
 from vllm_graft.core.budget.cost import CostModel
+from vllm_graft.core.budget.guard import ThroughputGuard
+from vllm_graft.core.budget.scout import ChainScout
 from vllm_graft.core.chain import HostChains
-from vllm_graft.core.config import StepMode
+from vllm_graft.core.config import GraftConfig, StepMode
 from vllm_graft.core.hybrid import UNKNOWN_SCORE, HybridTree, trim_tree
 
 
@@ -120,3 +123,32 @@ class TreeSizer:
         trial = host_array(tree.valid) & parent_on_path & (parents >= 0)
         self.acceptance_for(mode).observe(tree.source, tree.depths, self._score(tree, score),
                                           trial, on_path)
+
+
+class BudgetSystems(NamedTuple):
+    """What budget auto runs with: the sizer always, the guard with ``auto_guard``, the
+    scout where the guard chooses between copy chains and plain decoding."""
+
+    sizer: TreeSizer
+    guard: ThroughputGuard | None
+    scout: ChainScout | None
+
+
+def build_budget_systems(config: GraftConfig, cost: CostModel,
+                         calibration=None) -> BudgetSystems:
+    """The sizer, guard and scout ``config`` asks for, over the step costs ``cost``;
+    the acceptance models start from ``calibration``'s tallies where it has them
+    (:class:`vllm_graft.core.calibration.Calibration`, or None)."""
+    acceptance, chain_acceptance = AcceptanceModel(), AcceptanceModel()
+    if calibration is not None and calibration.acceptance is not None:
+        acceptance.seed(calibration.acceptance)
+    if calibration is not None and calibration.chain_acceptance is not None:
+        chain_acceptance.seed(calibration.chain_acceptance)
+    sizer = TreeSizer(cost, acceptance, chain_acceptance)
+    if not config.auto_guard:
+        return BudgetSystems(sizer, None, None)
+    guard = ThroughputGuard(modes=config.guard_modes, **config.guard.model_dump())
+    scouts = {StepMode.CHAIN, StepMode.PLAIN} <= set(config.guard_modes)
+    scout = ChainScout(every=config.chain_scout_every) \
+        if scouts and config.chain_scout_every else None
+    return BudgetSystems(sizer, guard, scout)
