@@ -69,9 +69,10 @@ def test_seeded_sampling_stays_plain_decodings_under_faults_in_acceptance(tiny_m
     expected = _generate(tiny_models.sharp, None, params)[0]
     # the faults strike after the walk drew its random numbers: the last hook before
     # the walk's end, the matrix update, raises
-    import vllm_graft.vllm.runner as runner_module
+    import vllm_graft.vllm.matrix_learning as learning_module
+    import vllm_graft.vllm.tree_sampling as sampling_module
 
-    original = runner_module._learn
+    original = learning_module.learn
     calls = {"n": 0}
 
     def failing_learn(*args, **kwargs):
@@ -80,8 +81,8 @@ def test_seeded_sampling_stays_plain_decodings_under_faults_in_acceptance(tiny_m
             raise RuntimeError("a fault after the walk")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(runner_module, "_learn", failing_learn)
-    monkeypatch.setattr(runner_module, "filters_are_plain_sampling", lambda metadata: False)
+    monkeypatch.setattr(learning_module, "learn", failing_learn)
+    monkeypatch.setattr(sampling_module, "filters_are_plain_sampling", lambda metadata: False)
     got, _, metrics = _generate(tiny_models.sharp, graft_spec(tiny_models.sharp_head,
                                                               budget=60), params)
     assert got == expected

@@ -170,10 +170,10 @@ def test_a_biased_acceptance_fails_the_same_test_with_fixed_shape(tiny_models, p
     """Negative control, as in test_sampling_lossless: a walk that sometimes accepts the
     first child without the target agreeing must fail the same test (the walk with
     vLLM's sampler at each level, where a walk can be biased from outside)."""
-    import vllm_graft.vllm.runner as runner_module
+    import vllm_graft.vllm.tree_sampling as sampling_module
 
-    monkeypatch.setattr(runner_module, "filters_are_plain_sampling", lambda metadata: False)
-    monkeypatch.setattr(runner_module, "walk_tree", biased_walk)
+    monkeypatch.setattr(sampling_module, "filters_are_plain_sampling", lambda metadata: False)
+    monkeypatch.setattr(sampling_module, "walk_tree", biased_walk)
     got, _ = _sample(tiny_models.sharp, _fixed_spec(tiny_models), seed=3)
     pvalues = distribution_pvalues(plain_sampled, got)
     assert min(pvalues.values()) < 1e-6, pvalues

@@ -154,7 +154,7 @@ def test_chain_trees_verify_with_the_backends_own_attention(tiny_models, plain_o
 def test_is_chain():
     import torch
 
-    from vllm_graft.vllm.runner import is_chain
+    from vllm_graft.vllm.tree_verification import is_chain
 
     assert is_chain(torch.tensor([-1, 0, 1, 2]))
     assert is_chain(torch.tensor([-1, 0]))

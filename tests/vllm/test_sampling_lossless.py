@@ -153,9 +153,9 @@ def plain_samples(tiny_models):
 
 def per_level_walks_only(monkeypatch) -> None:
     """Every sampled step walks with vLLM's sampler at each level (the fused walk off)."""
-    import vllm_graft.vllm.runner as runner_module
+    import vllm_graft.vllm.tree_sampling as sampling_module
 
-    monkeypatch.setattr(runner_module, "filters_are_plain_sampling", lambda metadata: False)
+    monkeypatch.setattr(sampling_module, "filters_are_plain_sampling", lambda metadata: False)
 
 
 @pytest.mark.parametrize("name", SETTINGS)
@@ -236,11 +236,11 @@ def test_a_two_percent_biased_acceptance_fails_the_same_test(tiny_models, plain_
     test (power, and why 5,000 requests do: the module docstring). It walks with vLLM's
     sampler at each level, where a walk can be biased from outside; the fused walk is
     held to the same size of error by tests/core/test_fused.py (a 1 % shift)."""
-    import vllm_graft.vllm.runner as runner_module
+    import vllm_graft.vllm.tree_sampling as sampling_module
 
     per_level_walks_only(monkeypatch)
     counts = collections.Counter()
-    monkeypatch.setattr(runner_module, "walk_tree", _counting_biased_walk(counts))
+    monkeypatch.setattr(sampling_module, "walk_tree", _counting_biased_walk(counts))
     got, _ = sample(tiny_models.sharp, graft_spec(tiny_models.sharp_head, budget=60),
                     SETTINGS[CONTROL_SETTING], seed=3, samples=CONTROL_SAMPLES)
     # the bias acted, at its rate: at most one change per 50 levels (not every level

@@ -17,10 +17,10 @@ def test_every_tree_node_matches_transformers(tiny_models, monkeypatch):
     from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
 
-    import vllm_graft.vllm.runner as runner_module
+    import vllm_graft.vllm.tree_sampling as sampling_module
 
     recorded = []
-    original_sample = runner_module.sample_with_trees
+    original_sample = sampling_module.sample_with_trees
 
     def recording_sample(runner, logits, spec_decode_metadata):
         step = runner._graft_step
@@ -35,7 +35,7 @@ def test_every_tree_node_matches_transformers(tiny_models, monkeypatch):
                        for t in trees]})
         return original_sample(runner, logits, spec_decode_metadata)
 
-    monkeypatch.setattr(runner_module, "sample_with_trees", recording_sample)
+    monkeypatch.setattr(sampling_module, "sample_with_trees", recording_sample)
     # block size 32: prompts and trees cross KV block boundaries
     with running_llm(tiny_models.target, graft_spec(tiny_models.head, budget=60),
                      block_size=32) as llm:
