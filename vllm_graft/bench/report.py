@@ -412,6 +412,8 @@ def warmup_lines(results: dict, fresh: bool = False) -> list[str]:
 
 
 def plots(results: dict, out: Path) -> list[Path]:
+    """The run's figures: MAT against speed and MAT per dataset where the run compares
+    two methods or more, and the ablations' MAT by knob value."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -419,32 +421,33 @@ def plots(results: dict, out: Path) -> list[Path]:
 
     written = []
     means = method_means(results)
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    for method, m in means.items():
-        ax.scatter(m["tokens_per_s"], m["mat"], s=60)
-        ax.annotate(method, (m["tokens_per_s"], m["mat"]), textcoords="offset points",
-                    xytext=(5, 4))
-    ax.set_xlabel("tokens / s (this machine)")
-    ax.set_ylabel("mean accepted tokens per step (MAT)")
-    ax.set_title("MAT vs speed")
-    ax.grid(alpha=0.3)
-    written.append(_save(fig, out / "mat_vs_speed.png"))
+    if len(means) >= 2:  # a figure of one point says nothing
+        fig, ax = plt.subplots(figsize=(6, 4.5))
+        for method, m in means.items():
+            ax.scatter(m["tokens_per_s"], m["mat"], s=60)
+            ax.annotate(method, (m["tokens_per_s"], m["mat"]), textcoords="offset points",
+                        xytext=(5, 4))
+        ax.set_xlabel("tokens / s (this machine)")
+        ax.set_ylabel("mean accepted tokens per step (MAT)")
+        ax.set_title("MAT vs speed")
+        ax.grid(alpha=0.3)
+        written.append(_save(fig, out / "mat_vs_speed.png"))
 
-    rows = _rows(results)
-    dataset_names = sorted({r["dataset"] for r in rows})
-    method_names = list(means)
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(dataset_names) + 2), 4.5))
-    width = 0.8 / max(len(method_names), 1)
-    for i, method in enumerate(method_names):
-        values = [next((r["mat"] for r in rows if r["method"] == method and r["dataset"] == d), 0)
-                  for d in dataset_names]
-        ax.bar([x + i * width for x in range(len(dataset_names))], values, width, label=method)
-    ax.set_xticks([x + width * (len(method_names) - 1) / 2 for x in range(len(dataset_names))])
-    ax.set_xticklabels(dataset_names, rotation=20)
-    ax.set_ylabel("MAT")
-    ax.legend(fontsize=7, ncol=2)
-    ax.set_title("MAT per dataset")
-    written.append(_save(fig, out / "mat_per_dataset.png"))
+        rows = _rows(results)
+        dataset_names = sorted({r["dataset"] for r in rows})
+        method_names = list(means)
+        fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(dataset_names) + 2), 4.5))
+        width = 0.8 / max(len(method_names), 1)
+        for i, method in enumerate(method_names):
+            values = [next((r["mat"] for r in rows if r["method"] == method and r["dataset"] == d), 0)
+                      for d in dataset_names]
+            ax.bar([x + i * width for x in range(len(dataset_names))], values, width, label=method)
+        ax.set_xticks([x + width * (len(method_names) - 1) / 2 for x in range(len(dataset_names))])
+        ax.set_xticklabels(dataset_names, rotation=20)
+        ax.set_ylabel("MAT")
+        ax.legend(fontsize=7, ncol=2)
+        ax.set_title("MAT per dataset")
+        written.append(_save(fig, out / "mat_per_dataset.png"))
 
     ablations = results.get("ablations") or []
     knobs = sorted({r["knob"] for r in ablations})
