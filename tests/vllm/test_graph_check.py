@@ -1,5 +1,5 @@
 """CUDA graphs that check themselves (vllm_graft/vllm/graph_check.py) and the choice of
-CUDA-graph mode for Graft engines (patches.choose_cuda_graphs).
+CUDA-graph mode for Graft engines (replacements.engine_config.choose_cuda_graphs).
 
 No GPU here has vLLM, so the check runs on the CPU engine with ``always`` set: the
 first tree steps' target forwards run twice (both eager here), must agree, and the
@@ -123,7 +123,7 @@ def test_gpu_engines_run_piecewise_graphs_unless_told_not_to(monkeypatch, given,
     from vllm.config import CompilationConfig, CUDAGraphMode
     from vllm.platforms import current_platform
 
-    from vllm_graft.vllm.patches import choose_cuda_graphs
+    from vllm_graft.vllm.replacements.engine_config import choose_cuda_graphs
 
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
     compilation = CompilationConfig()
@@ -139,7 +139,7 @@ def test_gpu_engines_run_piecewise_graphs_unless_told_not_to(monkeypatch, given,
 def test_cpu_engines_keep_their_settings():
     from vllm.config import CompilationConfig
 
-    from vllm_graft.vllm.patches import choose_cuda_graphs
+    from vllm_graft.vllm.replacements.engine_config import choose_cuda_graphs
 
     compilation = CompilationConfig()
     before = compilation.cudagraph_mode

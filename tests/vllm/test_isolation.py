@@ -139,8 +139,8 @@ def test_the_tenant_choice():
     from starlette.datastructures import Headers
     from vllm.exceptions import VLLMValidationError
 
-    from vllm_graft.vllm.patches import (handler_tenant, request_tenant, tenant_name,
-                                         with_tenant)
+    from vllm_graft.vllm.replacements.tenants import (handler_tenant, request_tenant,
+                                                      tenant_name, with_tenant)
 
     headers = Headers(raw=[(b"x-tenant", b"gateway"), (b"x-other", b"client")])
     assert handler_tenant("user", "alice", headers) == "alice"

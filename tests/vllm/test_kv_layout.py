@@ -12,7 +12,7 @@ import torch
 
 from tests.vllm.conftest import graft_spec, running_llm, spec_metrics
 from vllm_graft.vllm.kv_blocks import KVLayoutError, PagedKVLayout
-from vllm_graft.vllm.patches import refuse_kv_sharing
+from vllm_graft.vllm.replacements.runner_lifecycle import refuse_kv_sharing
 from vllm_graft.vllm.tree_attention import _read_kv_first
 
 HEADS, HEAD, BLOCK, KERNEL_BLOCK = 2, 8, 32, 16
