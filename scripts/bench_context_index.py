@@ -249,7 +249,7 @@ def engine_arrival(length: int, step: int | None, models: tuple[Path, Path],
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
-    from vllm_graft.cli.common import engine
+    from vllm_graft.offline.engine import engine
     from vllm_graft.vllm.proposer import GraftTreeDrafting
 
     target, head = models

@@ -6,7 +6,7 @@
 # own), then a table next to plain decoding (greedy: token-identical). Engine logs go
 # to $VLLM_GRAFT_CACHE/logs/generate.log (--verbose shows them).
 #   scripts/demo.sh                         # five built-in chat prompts (one edits code)
-#   scripts/demo.sh --prompts FILE --max-tokens 256
+#   scripts/demo.sh --prompts-file FILE --max-tokens 256
 #   scripts/demo.sh --json                  # the same as JSON, per-token sources included
 #   DEMO=tiny scripts/demo.sh               # seconds: tiny random models instead
 set -euo pipefail
@@ -25,6 +25,6 @@ HEAD=$(pwd)/assets/heads/smollm2-135m-eagle3
 RUN=$(pwd)/bench/results/smollm2-135m
 SPEC="{\"method\": \"graft\", \"model\": \"$HEAD\", \"graft\": {\"calibration\": \"$RUN/calibration.json\", \"warmup\": \"$RUN/warmup.bin\"}}"
 # float32: these CPUs lack AVX-512, so bf16 would be emulated (slow); answers end at the
-# end-of-sequence token (--ignore-eos generates max-tokens tokens each)
+# end-of-sequence token (--ignore-eos would generate max-tokens tokens each)
 exec .venv/bin/vllm-graft generate "$TARGET" --dtype float32 --chat --compare --show-sources \
-  --no-ignore-eos --speculative-config "$SPEC" --max-tokens 128 "$@"
+  --speculative-config "$SPEC" --max-tokens 128 "$@"

@@ -135,7 +135,7 @@ def steal_ticks() -> int | None:
 def timed_run(llm, job: dict, dataset: str) -> dict:
     """One run of ``dataset``: its wall seconds, and this process's CPU seconds (every
     thread's, so work another process or guest took the cores from does not count)."""
-    from vllm_graft.bench.runner import guard_steps
+    from vllm_graft.bench.engines import guard_steps
     from vllm_graft.bench.worker import run_dataset
 
     cpu, steal = time.process_time(), steal_ticks()
@@ -186,8 +186,7 @@ def main() -> int:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm_graft.bench.report import paired_interval
     from vllm_graft.bench.worker import warm_up
-    from vllm_graft.cli.common import engine
-    from vllm_graft.cli.main import cpu_runtime_defaults
+    from vllm_graft.offline.engine import cpu_runtime_defaults, engine
 
     cpu_runtime_defaults()
     runs: dict[str, list[dict]] = {name: [] for name in job["datasets"]}

@@ -143,7 +143,7 @@ def run_method(name: str, rounds: int, seed: int, out: Path, trace_python: bool 
     from vllm_graft.assets.models import prepare_model
     from vllm_graft.assets.pypi import default_cache_dir
     from vllm_graft.cli.bench import default_head
-    from vllm_graft.cli.common import engine
+    from vllm_graft.offline.engine import engine
 
     cache = default_cache_dir()
     model = prepare_model("smollm2-135m", cache)
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.one:
-        from vllm_graft.cli.main import cpu_runtime_defaults
+        from vllm_graft.offline.engine import cpu_runtime_defaults
 
         cpu_runtime_defaults()
         run_method(args.one, args.rounds, args.seed, args.out / f"{args.one}.json",

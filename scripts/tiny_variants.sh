@@ -16,7 +16,7 @@ for budget in 8 60; do
   for variant in graft dense_tree prune_only retrieval_only; do
     spec="{\"method\": \"graft\", \"model\": \"$HEAD\", \"graft\": {\"variant\": \"$variant\", \"budget\": $budget}}"
     .venv/bin/vllm-graft generate "$MODELS/target" --dtype float32 --compare \
-      --max-tokens 128 --speculative-config "$spec" --json "$OUT/$variant-b$budget.json" \
+      --max-tokens 128 --ignore-eos --speculative-config "$spec" --json "$OUT/$variant-b$budget.json" \
       >/dev/null 2>"$OUT/$variant-b$budget.log" \
       || echo "$variant budget $budget: exit $? (see $OUT/$variant-b$budget.log)" >&2
   done

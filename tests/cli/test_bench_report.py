@@ -123,11 +123,11 @@ def test_each_sweep_engines_untimed_warm_up_is_reported():
 def test_too_few_warm_up_prompts_is_an_error_naming_the_offset(monkeypatch, tmp_path):
     import pytest
 
-    from vllm_graft.bench import runner
+    from vllm_graft.bench import engines
 
-    monkeypatch.setattr(runner.datasets, "sharegpt", lambda cache_dir, limit, offset: [])
+    monkeypatch.setattr(engines.datasets, "sharegpt", lambda cache_dir, limit, offset: [])
     with pytest.raises(ValueError, match="ENGINE_WARMUP_OFFSET"):
-        runner.engine_warmup_source(tmp_path, 8)
+        engines.engine_warmup_source(tmp_path, 8)
 
 
 def test_tail_is_checked_against_vllms_chain_and_gets_a_chain_calibration():
@@ -184,7 +184,7 @@ def test_a_finished_engine_is_reused_only_for_the_same_code_and_files(tmp_path):
     """An interrupted bench resumes with the engines that finished, where the job's text
     is the same, and so are Graft's code and the files its spec names: a warm-up built
     again at the same path gets a new run, not the old result."""
-    from vllm_graft.bench.runner import resume_stamp
+    from vllm_graft.bench.engines import resume_stamp
 
     warmup = tmp_path / "warmup.bin"
     warmup.write_bytes(b"one")
@@ -197,7 +197,7 @@ def test_a_finished_engine_is_reused_only_for_the_same_code_and_files(tmp_path):
 
 
 def test_engine_warmup_prompts_are_cut_to_fit_not_dropped():
-    from vllm_graft.bench.runner import engine_warmup_prompts
+    from vllm_graft.bench.engines import engine_warmup_prompts
 
     candidates = [list(range(500)), list(range(20)), list(range(300))]
     datasets = {"a": [[1, 2]] * 2, "b": [[3]]}
@@ -210,7 +210,7 @@ def test_engine_warmup_prompts_are_cut_to_fit_not_dropped():
 def test_prefill_warmups_give_each_dataset_its_prompt_lengths_on_other_text():
     """An engine's untimed warm-up prefills each dataset's prompt lengths (its prefill
     shapes) on warm-up text, a short warm-up prompt repeated to the length."""
-    from vllm_graft.bench.runner import prefill_warmups
+    from vllm_graft.bench.engines import prefill_warmups
 
     candidates = [[7, 8, 9], [5] * 40]
     datasets = {"a": [[1] * 10, [2] * 4, [3] * 6], "b": [[4] * 2]}

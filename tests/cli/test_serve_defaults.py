@@ -7,7 +7,7 @@ from vllm_graft.cli import main
 
 
 def test_a_cpu_server_caps_onednn_primitive_cache_unless_set(monkeypatch):
-    monkeypatch.setattr(main, "_has_gpu", lambda: False)
+    monkeypatch.setattr(main, "has_gpu", lambda: False)
     environ: dict[str, str] = {}
     main.cpu_server_defaults(environ)
     assert environ == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "128"}
@@ -17,7 +17,7 @@ def test_a_cpu_server_caps_onednn_primitive_cache_unless_set(monkeypatch):
 
 
 def test_a_gpu_server_is_left_as_it_is(monkeypatch):
-    monkeypatch.setattr(main, "_has_gpu", lambda: True)
+    monkeypatch.setattr(main, "has_gpu", lambda: True)
     environ: dict[str, str] = {}
     main.cpu_server_defaults(environ)
     assert environ == {}

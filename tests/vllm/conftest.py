@@ -43,7 +43,7 @@ def tiny_models(tmp_path_factory) -> TinyModels:
 def running_llm(model: Path, speculative_config=None, **kwargs):
     """An in-process engine shut down when the block ends, failing or not (its
     finaliser would otherwise tear down the distributed state of the next engine)."""
-    from vllm_graft.cli.common import engine
+    from vllm_graft.offline.engine import engine
 
     return engine(str(model), speculative_config,
                   **{"max_model_len": 1024, "max_num_seqs": 8, **kwargs})
@@ -62,7 +62,7 @@ def graft_spec(head: Path, **graft) -> dict:
 
 def spec_metrics(llm) -> dict:
     """The engine's speculative-decoding and Graft counters (the CLI's own reader)."""
-    from vllm_graft.cli.common import counters
+    from vllm_graft.offline.engine import counters
 
     return counters(llm)
 

@@ -58,8 +58,9 @@ def test_generate_json_carries_sources(tiny_models, tmp_path):
     prompts.write_text("def fib(n):\\n\nwhile True:\\n\n")
     out = tmp_path / "report.json"
     code = generate.main([str(tiny_models.target), "--speculative-config", str(spec),
-                          "--prompts", str(prompts), "--dtype", "float32", "--max-tokens",
-                          "24", "--max-model-len", "512", "--json", str(out),
+                          "--prompts-file", str(prompts), "--dtype", "float32",
+                          "--max-tokens", "24", "--ignore-eos", "--max-model-len", "512",
+                          "--json", str(out),
                           "--log-file", str(tmp_path / "engine.log")])
     assert code == 0
     report = json.loads(out.read_text())
@@ -84,7 +85,8 @@ def test_generate_counts_the_timed_run_alone(tiny_models):
     spec = graft_spec(tiny_models.head, budget=16)
     args = generate.parse_args([str(tiny_models.target), "--speculative-config",
                                 json.dumps(spec), "--dtype", "float32", "--max-tokens",
-                                "24", "--max-model-len", "512", "--warmup-tokens", "24"])
+                                "24", "--ignore-eos", "--max-model-len", "512",
+                                "--warmup-tokens", "24"])
     result = generate.run(args.model, spec, PROMPTS[:2], args, record=True)
     records = result["records"]
     assert len(records) >= 2 * 16  # a tree every step (budget 16), most steps
@@ -94,7 +96,7 @@ def test_generate_counts_the_timed_run_alone(tiny_models):
 
 
 def test_a_prompts_file_keeps_every_character_and_decodes_escapes(tmp_path):
-    """``generate --prompts FILE``: UTF-8 lines, backslash escapes decoded. Decoded as
+    """``generate --prompts-file FILE``: UTF-8 lines, backslash escapes decoded. Decoded as
     Latin-1 bytes, "Résumé" came out "RÃ©sumÃ©", and the comparison with plain decoding
     still agreed, on the garbled prompt."""
     from vllm_graft.cli.generate import load_prompts

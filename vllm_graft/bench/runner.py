@@ -5,82 +5,27 @@ length, batch size); each dataset is generated as one batch and the engine's cou
 are read before and after, so every number comes from the same run. Greedy outputs of
 every method are compared with plain decoding token by token. The batch sweep keeps its
 methods' engines alive together and lets them take turns, round after round
-(:func:`run_engines_interleaved`): its ratios to plain decoding are what speed goals
-are judged by, and this machine's speed drifts more than the differences measured.
+(:func:`vllm_graft.bench.engines.run_engines_interleaved`): its ratios to plain
+decoding are what speed goals are judged by, and this machine's speed drifts more than
+the differences measured.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import platform
-import statistics
-import subprocess
-import sys
-import time
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from tqdm import tqdm
 
 from vllm_graft.assets import datasets
+from vllm_graft.bench.config import DFLASH_METHODS, BenchConfig
+from vllm_graft.bench.engines import (ENGINE_WARMUP_OFFSET, ENGINE_WARMUP_TOKENS,
+                                      STEP_SPLIT_KEYS, engine_warmup_source, guard_steps,
+                                      run_engine, run_engines_interleaved)
 from vllm_graft.bench.methods import Method, methods
-from vllm_graft.cli.common import render_prompts
-
-
-DFLASH_METHODS = ("dflash", "tail_dflash")  # rows that need a DFlash block drafter
-#: every engine first generates this many tokens for as many ShareGPT prompts as its
-#: largest dataset, untimed
-ENGINE_WARMUP_TOKENS = 16
-#: where those prompts start in the ShareGPT file (about 11,100 records): past the
-#: prompts of the matrix warm-up (from 0), calibration (from 100) and the drafters'
-#: training (200-2199), so no engine warms up on a prompt anything learned from
-ENGINE_WARMUP_OFFSET = 10_000
-
-
-@dataclass
-class BenchConfig:
-    target: str
-    head: str
-    out: Path
-    cache_dir: Path
-    methods: list[str]
-    datasets: list[str]
-    prompts: int = 10
-    max_tokens: int = 128
-    budget: int = 60
-    chain_tokens: int = 5
-    warmup: str | None = None
-    calibration: str | None = None
-    tail_calibration: str | None = None  # Graft-TAIL's, for chains of chain_tokens
-    dtype: str = "float32"
-    max_num_seqs: int = 16
-    ablations: bool = False
-    ablation_datasets: list[str] = field(default_factory=lambda: ["humaneval", "mtbench"])
-    drafter: str = "eagle3"  # or "draft_model": ``head`` is then a draft model
-    dflash: str | None = None  # the DFlash block drafter of the dflash / tail_dflash rows
-    dflash_block: int = 8
-    dflash_calibration: str | None = None  # Graft-TAIL's, for its blocks
-    command: str = ""
-    #: prompt token ids every engine generates from, untimed, before the datasets
-    engine_warmup: list[list[int]] = field(default_factory=list)
-    #: the batch sweep: each method of ``batch_methods`` on every dataset at each batch
-    #: size (``max_num_seqs``), with max(batch, prompts) prompts per dataset
-    batch_sizes: list[int] = field(default_factory=list)
-    batch_methods: list[str] = field(default_factory=lambda: ["plain", "ngram", "eagle3",
-                                                              "graft", "graft_auto"])
-    #: the sweep's engines run interleaved, each dataset this many times per engine
-    #: (:func:`run_engines_interleaved`)
-    batch_rounds: int = 3
-    #: start every sweep engine again for each round (:func:`run_engines_interleaved`)
-    batch_fresh_engines: bool = False
-
-
-def config_default(name: str):
-    """The default of one :class:`BenchConfig` field (the CLI's defaults are these)."""
-    found = next(f for f in fields(BenchConfig) if f.name == name)
-    return found.default_factory() if found.default_factory is not MISSING else found.default
+from vllm_graft.offline.engine import render_prompts
 
 
 def load_dataset(name: str, tokenizer, cache_dir: Path, limit: int) -> list[datasets.Prompt]:
@@ -100,13 +45,6 @@ def load_dataset(name: str, tokenizer, cache_dir: Path, limit: int) -> list[data
         return datasets.stdlib_code(tokenizer, tokens, limit=min(limit, 4))
     raise ValueError(f"unknown dataset {name!r}")
 
-
-def guard_steps(delta: dict) -> dict[str, int]:
-    """The engine steps budget "auto"'s throughput guard ran in each mode, from a run's
-    counter deltas (empty for other methods)."""
-    return {key.removeprefix("graft_guard_").removesuffix("_steps"): value
-            for key, value in delta.items()
-            if key.startswith("graft_guard_") and key.endswith("_steps") and value}
 
 
 def summarize(method: Method, delta: dict, tokens: int, seconds: float,
@@ -162,239 +100,6 @@ def suffix_available() -> bool:
     return importlib.util.find_spec("arctic_inference") is not None
 
 
-def engine_warmup_source(cache_dir: Path, count: int) -> list[datasets.Prompt]:
-    """``count`` ShareGPT prompts from :data:`ENGINE_WARMUP_OFFSET` on. Fewer is an error:
-    an engine warmed up on fewer requests than a dataset's batch would meet its batch
-    size for the first time inside the timed runs."""
-    prompts = datasets.sharegpt(cache_dir, limit=count, offset=ENGINE_WARMUP_OFFSET)
-    if len(prompts) < count:
-        raise ValueError(f"the ShareGPT file in {cache_dir} holds {len(prompts)} prompts "
-                         f"from record {ENGINE_WARMUP_OFFSET} on; the engines' warm-up "
-                         f"needs {count} (ENGINE_WARMUP_OFFSET)")
-    return prompts
-
-
-def engine_warmup_prompts(candidates: list[list[int]], prompt_ids: dict[str, list],
-                          max_model_len: int, max_tokens: int) -> list[list[int]]:
-    """As many warm-up prompts as the largest dataset has, each cut to fit the engine's
-    ``max_model_len`` with ``max_tokens`` generated: a ShareGPT prompt longer than the
-    datasets' is cut, not dropped (dropping them left engines sized for short-prompt
-    datasets with no warm-up at all)."""
-    fits = max_model_len - max_tokens - 1
-    if fits < 1:
-        return []
-    return [ids[:fits] for ids in candidates][:max(len(p) for p in prompt_ids.values())]
-
-
-def prefill_warmups(candidates: list[list[int]], prompt_ids: dict[str, list]
-                    ) -> list[list[list[int]]]:
-    """Per dataset, a batch of warm-up prompts of its prompts' own lengths (each
-    warm-up prompt repeated as often as it must be to reach the length): prefilled
-    untimed, they give every engine the dataset's prefill shapes before its timed runs.
-    On a CPU the first forward of a number of query rows a process has not met sets up
-    its kernels (oneDNN primitives), which took from 0.7 to 3.8 s where the same prefill
-    later took 0.8-1.0 s at batch 8, in engines of every method alike: noise in a
-    fresh engine's timed runs that a long-running server pays once."""
-    if not candidates:
-        return []
-
-    def cut(ids: list[int], length: int) -> list[int]:
-        return (ids * -(-length // len(ids)))[:length]
-
-    return [[cut(candidates[i % len(candidates)], len(prompt))
-             for i, prompt in enumerate(prompts)] for prompts in prompt_ids.values()]
-
-
-def engine_job(config: BenchConfig, spec: dict | None, prompt_ids: dict[str, list],
-               max_model_len: int) -> dict:
-    """What one benchmark engine is given (see :mod:`vllm_graft.bench.worker`)."""
-    return {
-        "target": config.target, "spec": spec, "max_tokens": config.max_tokens,
-        "engine": {"dtype": config.dtype, "max_model_len": max_model_len,
-                   "max_num_seqs": config.max_num_seqs},
-        "warmup": engine_warmup_prompts(config.engine_warmup, prompt_ids, max_model_len,
-                                        config.max_tokens),
-        "warmup_tokens": min(ENGINE_WARMUP_TOKENS, config.max_tokens),
-        "warmup_prefills": prefill_warmups([ids for ids in config.engine_warmup if ids],
-                                           prompt_ids),
-        "datasets": prompt_ids}
-
-
-def _worker_env() -> dict:
-    return {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-
-
-def resume_stamp(spec: dict | None) -> str:
-    """What a finished engine's result depends on besides its job's text: Graft's code
-    and the contents of the files its spec names (a job names files by path: a
-    retrained warm-up or an edited module at the same path would otherwise be served
-    the old result)."""
-    digest = hashlib.sha256()
-    package = Path(__file__).resolve().parents[1]
-    for path in sorted(package.rglob("*.py")):
-        digest.update(path.relative_to(package).as_posix().encode())
-        digest.update(path.read_bytes())
-    graft = (spec or {}).get("graft", {})
-    for key in ("warmup", "calibration"):
-        if isinstance(graft.get(key), str) and Path(graft[key]).is_file():
-            digest.update(Path(graft[key]).read_bytes())
-    return digest.hexdigest()
-
-
-def run_engine(config: BenchConfig, spec: dict | None, prompt_ids: dict[str, list],
-               max_model_len: int, label: str) -> dict:
-    """One method's engine in its own process (see :mod:`vllm_graft.bench.worker`)."""
-    jobs = config.out / "jobs"
-    jobs.mkdir(parents=True, exist_ok=True)
-    job, result, log = (jobs / f"{label}.{ext}" for ext in ("job.json", "result.json", "log"))
-    description = json.dumps(engine_job(config, spec, prompt_ids, max_model_len))
-    stamp_file, stamp = jobs / f"{label}.stamp", resume_stamp(spec)
-    # an interrupted run resumes: a finished engine with the very same job, code and
-    # input files is reused
-    if result.is_file() and job.is_file() and job.read_text() == description \
-            and stamp_file.is_file() and stamp_file.read_text() == stamp:
-        return json.loads(result.read_text())
-    result.unlink(missing_ok=True)
-    job.write_text(description)
-    stamp_file.write_text(stamp)
-    with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, "-m", "vllm_graft.bench.worker", str(job),
-                               str(result)], stdout=f, stderr=subprocess.STDOUT,
-                              env=_worker_env())
-    if proc.returncode != 0:
-        tail = log.read_text()[-3000:]
-        raise RuntimeError(f"benchmark engine {label!r} failed (log {log}):\n{tail}")
-    return json.loads(result.read_text())
-
-
-class _ServedEngine:
-    """One method's engine kept alive in its own process (the worker's ``--serve``
-    mode): commands go to its standard input, replies come back on a pipe of their
-    own (the engine's logs go to its log file)."""
-
-    def __init__(self, job: dict, jobs: Path, label: str):
-        self.label, self.log = label, jobs / f"{label}.log"
-        path = jobs / f"{label}.job.json"
-        path.write_text(json.dumps(job))
-        read_end, write_end = os.pipe()
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "vllm_graft.bench.worker", "--serve", str(path),
-                 str(write_end)], stdin=subprocess.PIPE, stdout=log,
-                stderr=subprocess.STDOUT, env=_worker_env(), pass_fds=(write_end,),
-                text=True)
-        os.close(write_end)  # the worker holds the only writer: its exit ends the pipe
-        self.replies = os.fdopen(read_end)
-
-    def receive(self) -> dict:
-        line = self.replies.readline()
-        if not line:
-            self.proc.wait()
-            tail = self.log.read_text()[-3000:]
-            raise RuntimeError(f"benchmark engine {self.label!r} exited with "
-                               f"{self.proc.returncode} (log {self.log}):\n{tail}")
-        return json.loads(line)
-
-    def run(self, dataset: str) -> dict:
-        self.proc.stdin.write(json.dumps({"dataset": dataset}) + "\n")
-        self.proc.stdin.flush()
-        return self.receive()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write(json.dumps({"stop": True}) + "\n")
-                self.proc.stdin.close()
-                self.proc.wait(timeout=120)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-        self.replies.close()
-
-
-#: a dataset run's median decoding step, split (:func:`vllm_graft.bench.worker.step_split`),
-#: and its prefill phase (:func:`vllm_graft.bench.worker.generate_counting_steps`)
-STEP_SPLIT_KEYS = ("step_ms", "target_ms", "other_ms", "prefill_ms")
-
-
-def run_engines_interleaved(config: BenchConfig, specs: dict[str, dict | None],
-                            prompt_ids: dict[str, list], max_model_len: int,
-                            rounds: int) -> dict[str, dict]:
-    """Every engine of ``specs`` (label -> speculative config) alive at once, each
-    dataset generated by one engine after another, ``rounds`` times, the order rotated
-    each round; only one engine works at a time. Each engine's time for a dataset is
-    the median of its rounds, so the machine's drift (this CPU's speed moves by 10-20 %
-    over minutes) falls on every method alike instead of on whichever ran then. Greedy
-    output must be the same every round: ``rounds_identical`` counts the requests
-    whose later rounds repeated the first.
-
-    With ``config.batch_fresh_engines`` every engine is stopped after each round and
-    started again, in the next round's order, for the next: a process keeps a speed of
-    its own for its whole life (two identical plain engines of one sweep measured 0.94x
-    of each other over all their rounds, and 0.99x in another sweep), which the rounds
-    of one process cannot average out; fresh processes turn it into round-to-round
-    noise that they do."""
-    if rounds < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}")
-    jobs = config.out / "jobs"
-    jobs.mkdir(parents=True, exist_ok=True)
-    labels = list(specs)
-    engines: dict[str, _ServedEngine] = {}
-    warmups: dict[str, list[float]] = {label: [] for label in labels}
-
-    def start(order: list[str]) -> None:
-        for label in order:  # one at a time: start-ups do not compete for the cores
-            engines[label] = _ServedEngine(
-                engine_job(config, specs[label], prompt_ids, max_model_len), jobs, label)
-            warmups[label].append(engines[label].receive()["warmup_seconds"])  # ready
-
-    def stop() -> None:
-        for served in engines.values():
-            served.close()
-        engines.clear()
-
-    started = time.time()
-    try:
-        runs: dict[tuple[str, str], list[dict]] = {}
-        with tqdm(total=rounds * len(prompt_ids) * len(labels), desc="interleaved",
-                  unit="run") as bar:
-            for r in range(rounds):
-                order = labels[r % len(labels):] + labels[:r % len(labels)]
-                if not engines:
-                    start(order)
-                for dataset in prompt_ids:
-                    for label in order:
-                        runs.setdefault((label, dataset), []).append(
-                            engines[label].run(dataset))
-                        bar.update()
-                if config.batch_fresh_engines:
-                    stop()
-    finally:
-        stop()
-    wall = time.time() - started
-    out = {}
-    for label in labels:
-        datasets_out = {}
-        for dataset in prompt_ids:
-            first, *later = runs[(label, dataset)]
-            seconds = [run["seconds"] for run in runs[(label, dataset)]]
-            split = {key: statistics.median(run[key] for run in runs[(label, dataset)])
-                     for key in STEP_SPLIT_KEYS if key in first}
-            datasets_out[dataset] = {
-                **first, **split, "seconds": statistics.median(seconds),
-                "round_seconds": seconds,
-                "round_prefill_ms": [run.get("prefill_ms") for run in runs[(label, dataset)]],
-                "round_guard_steps": [guard_steps(run["delta"])
-                                      for run in runs[(label, dataset)]],
-                "round_same": [all(run["tokens"][i] == tokens for run in later)
-                               for i, tokens in enumerate(first["tokens"])]}
-            datasets_out[dataset]["rounds_identical"] = sum(
-                datasets_out[dataset]["round_same"])
-        out[label] = {"datasets": datasets_out, "wall_seconds": wall,
-                      "warmup_seconds": statistics.median(warmups[label]),
-                      "engine_starts": len(warmups[label])}
-        (jobs / f"{label}.result.json").write_text(json.dumps(out[label]))
-    return out
 
 
 def method_spec(config: BenchConfig, method: Method, extra_graft: dict | None = None
@@ -413,7 +118,8 @@ def run_methods(config: BenchConfig, prompt_ids: dict[str, list], method_list,
                 max_model_len: int, extra_graft: dict | None = None, label: str = "",
                 rounds: int | None = None):
     """Rows and greedy outputs of every method. One engine after another, or with
-    ``rounds``, all engines at once, interleaved (:func:`run_engines_interleaved`)."""
+    ``rounds``, all engines at once, interleaved
+    (:func:`~vllm_graft.bench.engines.run_engines_interleaved`)."""
     rows, outputs = [], {}
     names = {method.name: (method.name + (f"-{label}" if label else "")).replace(" ", "_")
              for method in method_list}
@@ -557,7 +263,7 @@ def greedy_agreement(chosen, outputs, prompt_sets) -> dict[str, dict[str, int]]:
 
 def run_ablations(config: BenchConfig, prompt_ids, max_model_len) -> list[dict]:
     """Graft with one knob changed at a time, on the ablation datasets."""
-    from vllm_graft.cli.warmup import run_warmup
+    from vllm_graft.offline.warmup import run_warmup
 
     subset = {k: v for k, v in prompt_ids.items() if k in config.ablation_datasets} \
         or dict(list(prompt_ids.items())[:1])
@@ -574,9 +280,9 @@ def run_ablations(config: BenchConfig, prompt_ids, max_model_len) -> list[dict]:
             if not path.is_file():
                 run_warmup(config.target, config.head, path, rounds=5, max_tokens=256,
                            cache_dir=config.cache_dir, budget=config.budget,
-                           dtype=config.dtype, extra_graft={"successor_k": width,
-                                                            "retrieval_width": width,
-                                                            "drafter": config.drafter})
+                           extra_graft={"successor_k": width, "retrieval_width": width,
+                                        "drafter": config.drafter},
+                           engine_options={"dtype": config.dtype})
             extra.update(successor_k=width, warmup=str(path))
         variants.append(("retrieval_width", width, graft, extra))
     out = []

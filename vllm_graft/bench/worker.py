@@ -88,7 +88,7 @@ def warm_up(llm, job: dict) -> float:
     for budget "auto", the guard's first measurement of each mode at the batch's size)
     that a long-running server pays once. Then one prefill (a token each) of every
     batch in ``warmup_prefills``: each dataset's prefill shapes, on prompts of no
-    dataset (:func:`vllm_graft.bench.runner.prefill_warmups`). Returns the warm-up's
+    dataset (:func:`vllm_graft.bench.engines.prefill_warmups`). Returns the warm-up's
     wall seconds, reported beside the runs so that the one-off cost is not hidden."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -115,7 +115,7 @@ def run_dataset(llm, job: dict, name: str, clock=None) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_graft.cli.common import counter_delta, counters
+    from vllm_graft.offline.engine import counter_delta, counters
 
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
     # every timed run starts from a cold prefix cache: a later round of the same prompts
@@ -136,7 +136,7 @@ def run_dataset(llm, job: dict, name: str, clock=None) -> dict:
 
 
 def run_job(job: dict) -> dict:
-    from vllm_graft.cli.common import engine
+    from vllm_graft.offline.engine import engine
     from vllm_graft.vllm.timing import install_target_clock
 
     out = {"datasets": {}}
@@ -153,7 +153,7 @@ def run_job(job: dict) -> dict:
 def serve_job(job: dict, commands, replies) -> None:
     """The engine of ``job`` kept alive, running the datasets it is told to (module
     docstring)."""
-    from vllm_graft.cli.common import engine
+    from vllm_graft.offline.engine import engine
     from vllm_graft.vllm.timing import install_target_clock
 
     def reply(message: dict) -> None:
@@ -171,7 +171,7 @@ def serve_job(job: dict, commands, replies) -> None:
 
 
 def main() -> int:
-    from vllm_graft.cli.main import cpu_runtime_defaults
+    from vllm_graft.offline.engine import cpu_runtime_defaults
 
     cpu_runtime_defaults()
     if sys.argv[1] == "--serve":

@@ -1,5 +1,5 @@
-"""``vllm-graft bench``: Graft against vLLM's EAGLE-3 chain, prompt lookup, suffix
-decoding and its own ablations, on the same prompts in one run.
+"""Graft against vLLM's EAGLE-3 chain, prompt lookup, suffix decoding and its own
+ablations, on the same prompts in one run.
 
     vllm-graft bench --target smollm2-135m --head assets/heads/smollm2-135m-eagle3 \\
         --out bench/results/smollm2 --ablations
@@ -12,14 +12,15 @@ prepared on first use (``vllm-graft prepare-models``).
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import sys
 from pathlib import Path
 
 from vllm_graft.assets.models import MODELS, prepare_model
 from vllm_graft.assets.pypi import default_cache_dir
-from vllm_graft.bench.runner import config_default
+from vllm_graft.bench.config import DFLASH_METHODS, config_default
+from vllm_graft.cli.common import add_num_prompts, command_parser
+from vllm_graft.offline.engine import cpu_runtime_defaults, drafter_graft_keys
 
 ALL_METHODS = ["plain", "eagle3", "ngram", "suffix", "dense_tree", "prune_only",
                "retrieval_only", "graft_no_context", "graft", "graft_chain", "graft_auto",
@@ -60,28 +61,30 @@ def rewrite_report(parser, out: Path) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    from vllm_graft.cli.main import cpu_runtime_defaults
-
-    p = argparse.ArgumentParser(prog="vllm-graft bench", description=__doc__.split("\n\n")[0])
+def build_parser():
+    p = command_parser("bench", __doc__)
     p.add_argument("--target", default="smollm2-135m",
                    help="model directory or a prepared model name")
     p.add_argument("--head", help="EAGLE-3 head (default: the committed one for the target)")
     p.add_argument("--draft-model", help="use this draft model instead of an EAGLE-3 head "
                    "(a prepared model name or a directory with the target's tokenizer)")
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--methods", nargs="+", choices=ALL_METHODS,
-                   default=[m for m in ALL_METHODS if m not in DIAGNOSTIC_METHODS])
-    p.add_argument("--datasets", nargs="+", default=ALL_DATASETS)
-    p.add_argument("--prompts", type=int, default=config_default("prompts"),
-                   help="prompts per dataset")
-    p.add_argument("--max-tokens", type=int, default=config_default("max_tokens"))
-    p.add_argument("--budget", type=int, default=config_default("budget"))
+    p.add_argument("--out", type=Path, required=True,
+                   help="directory of results.json, report.md and the figures")
+    p.add_argument("--methods", nargs="+", choices=ALL_METHODS, metavar="METHOD",
+                   default=[m for m in ALL_METHODS if m not in DIAGNOSTIC_METHODS],
+                   help=f"methods to compare, of: {' '.join(ALL_METHODS)}")
+    p.add_argument("--datasets", nargs="+", default=ALL_DATASETS, help="datasets to run")
+    add_num_prompts(p, config_default("prompts"), "prompts per dataset")
+    p.add_argument("--max-tokens", type=int, default=config_default("max_tokens"),
+                   help="tokens generated per prompt")
+    p.add_argument("--budget", type=int, default=config_default("budget"),
+                   help="tree nodes of the Graft methods")
     p.add_argument("--chain-tokens", type=int, default=config_default("chain_tokens"),
                    help="draft tokens of the chain methods: vLLM's EAGLE-3 and ngram, "
                    "Graft-TAIL (tail)")
     p.add_argument("--warmup", help="successor matrix file (default: 5 warm-up rounds)")
-    p.add_argument("--warmup-rounds", type=int, default=5)
+    p.add_argument("--warmup-rounds", type=int, default=5,
+                   help="warm-up conversations when no --warmup is given")
     p.add_argument("--calibration", help="calibration file (default: fitted in this run)")
     p.add_argument("--tail-calibration", help="Graft-TAIL calibration file for chains of "
                    "--chain-tokens (default: fitted in this run when tail is benchmarked)")
@@ -92,16 +95,20 @@ def main(argv=None) -> int:
                    "Graft-TAIL's budget)")
     p.add_argument("--dflash-calibration", help="Graft-TAIL calibration file for the DFlash "
                    "blocks (default: fitted in this run when tail_dflash is benchmarked)")
-    p.add_argument("--no-calibration", action="store_true", help="use default thresholds")
+    p.add_argument("--no-calibration", action="store_true",
+                   help="use default thresholds instead of calibrating")
     p.add_argument("--draft-cost", type=float, default=0.1,
                    help="calibration: one draft step's cost relative to a verification")
-    p.add_argument("--ablations", action="store_true")
-    p.add_argument("--max-num-seqs", type=int, default=config_default("max_num_seqs"))
+    p.add_argument("--ablations", action="store_true",
+                   help="also run Graft with one knob changed at a time")
+    p.add_argument("--max-num-seqs", type=int, default=config_default("max_num_seqs"),
+                   help="requests each engine runs at once")
     p.add_argument("--batch-sizes", type=int, nargs="*", default=[],
                    help="also run --batch-methods at each of these batch sizes "
-                   "(max_num_seqs), with max(batch, --prompts) prompts per dataset")
-    p.add_argument("--batch-methods", nargs="+", choices=ALL_METHODS,
-                   default=config_default("batch_methods"))
+                   "(max_num_seqs), with max(batch, --num-prompts) prompts per dataset")
+    p.add_argument("--batch-methods", nargs="+", choices=ALL_METHODS, metavar="METHOD",
+                   default=config_default("batch_methods"),
+                   help="methods of the batch sweep")
     p.add_argument("--batch-rounds", type=int, default=config_default("batch_rounds"),
                    help="the sweep's engines stay alive together and take turns, each "
                    "dataset this many times per engine; times are medians over rounds")
@@ -109,13 +116,22 @@ def main(argv=None) -> int:
                    help="start every sweep engine again for each round, so that a "
                    "process's own speed varies between rounds instead of favouring one "
                    "method for the whole sweep (a start-up and warm-up per engine and round)")
-    p.add_argument("--dtype", default=config_default("dtype"))
+    p.add_argument("--dtype", default=config_default("dtype"),
+                   help="every engine's dtype (float32: outputs comparable across methods "
+                   "on a CPU)")
     p.add_argument("--quick", action="store_true",
                    help="2 prompts of 3 short datasets, 24 tokens, no calibration")
-    p.add_argument("--cache-dir", type=Path, default=None)
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="datasets and models (default: $VLLM_GRAFT_CACHE or "
+                   "~/.cache/vllm-graft)")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: write report.md and the figures again from "
                    "--out's results.json (with this version's report)")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.report_only:
         return rewrite_report(p, args.out)
@@ -123,10 +139,10 @@ def main(argv=None) -> int:
         p.error(f"--batch-rounds must be >= 1, got {args.batch_rounds}")
     cpu_runtime_defaults()
 
-    from vllm_graft.bench.runner import DFLASH_METHODS, BenchConfig, run_bench, write_results
-    from vllm_graft.cli.calibrate import run_calibration
-    from vllm_graft.cli.common import drafter_graft_keys
-    from vllm_graft.cli.warmup import run_warmup
+    from vllm_graft.bench.config import BenchConfig
+    from vllm_graft.bench.runner import run_bench, write_results
+    from vllm_graft.offline.calibration import run_calibration
+    from vllm_graft.offline.warmup import run_warmup
 
     cache = args.cache_dir or default_cache_dir()
     target = args.target
@@ -156,7 +172,7 @@ def main(argv=None) -> int:
         args.methods = [m for m in args.methods if m not in DFLASH_METHODS]
     if args.quick:
         args.datasets = [d for d in args.datasets if d in ("humaneval", "mtbench", "gsm8k")]
-        args.prompts, args.max_tokens, args.warmup_rounds = 2, 24, 1
+        args.num_prompts, args.max_tokens, args.warmup_rounds = 2, 24, 1
         args.no_calibration = True
     args.out.mkdir(parents=True, exist_ok=True)
     warmup = args.warmup
@@ -167,7 +183,8 @@ def main(argv=None) -> int:
         else:
             run_warmup(target, str(head), Path(warmup), rounds=args.warmup_rounds,
                        max_tokens=64 if args.quick else 256, cache_dir=cache,
-                       budget=args.budget, dtype=args.dtype, extra_graft=extra)
+                       budget=args.budget, extra_graft=extra,
+                       engine_options={"dtype": args.dtype})
     calibration = args.calibration
     if calibration is None and not args.no_calibration:
         calibration = str(args.out / "calibration.json")
@@ -176,7 +193,8 @@ def main(argv=None) -> int:
         else:
             run_calibration(target, str(head), Path(calibration), warmup=warmup, rounds=5,
                             max_tokens=256, cache_dir=cache, draft_cost=args.draft_cost,
-                            budget=args.budget, dtype=args.dtype, extra_graft=extra)
+                            budget=args.budget, extra_graft=extra,
+                            engine_options={"dtype": args.dtype})
     tail_calibration = args.tail_calibration
     tails = {"tail", "tail_auto"} & set(args.methods + args.batch_methods)
     if tail_calibration is None and not args.no_calibration and tails:
@@ -185,7 +203,8 @@ def main(argv=None) -> int:
             run_calibration(target, str(head), Path(tail_calibration), warmup=warmup,
                             rounds=5, max_tokens=256, cache_dir=cache,
                             draft_cost=args.draft_cost, budget=args.chain_tokens,
-                            dtype=args.dtype, extra_graft=extra, variant="tail")
+                            extra_graft=extra, variant="tail",
+                            engine_options={"dtype": args.dtype})
     dflash_calibration = args.dflash_calibration
     if dflash is not None and dflash_calibration is None and not args.no_calibration \
             and "tail_dflash" in args.methods + args.batch_methods:
@@ -194,11 +213,11 @@ def main(argv=None) -> int:
             run_calibration(target, str(dflash), Path(dflash_calibration), warmup=warmup,
                             rounds=5, max_tokens=256, cache_dir=cache,
                             draft_cost=args.draft_cost, budget=args.dflash_block,
-                            dtype=args.dtype, extra_graft=drafter_graft_keys("dflash"),
-                            variant="tail")
+                            extra_graft=drafter_graft_keys("dflash"), variant="tail",
+                            engine_options={"dtype": args.dtype})
     config = BenchConfig(
         target=target, head=str(head), out=args.out, cache_dir=cache, methods=args.methods,
-        datasets=args.datasets, prompts=args.prompts, max_tokens=args.max_tokens,
+        datasets=args.datasets, prompts=args.num_prompts, max_tokens=args.max_tokens,
         budget=args.budget, chain_tokens=args.chain_tokens, warmup=warmup,
         calibration=calibration, tail_calibration=tail_calibration, dtype=args.dtype,
         max_num_seqs=args.max_num_seqs, ablations=args.ablations, drafter=drafter,

@@ -1,99 +1,140 @@
-"""Shared pieces of the engine-driving commands (warmup, calibrate, bench, the trainers)."""
+"""Argument conventions shared by the commands: help that shows every default, the
+engine options passed through to vLLM, and the arguments of the engine-driving tools
+(warmup, calibrate) and the trainers. Running things is :mod:`vllm_graft.offline`'s."""
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import hashlib
-import json
-import os
+import argparse
+import sys
 from pathlib import Path
 
-from vllm_graft.assets.datasets import Prompt
 from vllm_graft.core.config import DEFAULT_TAIL_LENGTH, MAX_TAIL_LENGTH, PAPER_BUDGET
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter,
+                    argparse.RawDescriptionHelpFormatter):
+    """``--help`` with each option's default (an option whose default is None or an
+    unset switch says what happens in its own help), and the description's examples
+    kept as written."""
+
+    def _get_help_string(self, action):
+        if action.default is None or (action.nargs == 0 and action.default is False):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def command_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """The parser of ``vllm-graft COMMAND``: its description is the module docstring
+    (the first paragraph, then the examples)."""
+    return argparse.ArgumentParser(prog=f"vllm-graft {prog}", description=doc.strip(),
+                                   formatter_class=HelpFormatter)
+
+
+class RenamedFlag(argparse.Action):
+    """An old spelling of a flag: with ``new`` it still works, with a deprecation
+    message on stderr; without, it is a usage error naming the flag to use."""
+
+    def __init__(self, option_strings, dest, new: str, replacement: str | None = None,
+                 **kwargs):
+        self.new, self.replacement = new, replacement
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if self.replacement is None:
+            parser.error(f"{option_string} was renamed {self.new}: pass {self.new} "
+                         f"{values if not isinstance(values, list) else ' '.join(values)}")
+        print(f"vllm-graft: {option_string} is deprecated, use {self.new}", file=sys.stderr)
+        setattr(namespace, self.replacement, values)
+
+
+def add_engine_options(parser, *, dtype: str = "auto", max_model_len: int = 4096,
+                       max_num_seqs: int = 16) -> None:
+    """vLLM's engine arguments a deployment sets, passed through as they are (see
+    :func:`engine_options`)."""
+    group = parser.add_argument_group("engine options (passed to vLLM)")
+    group.add_argument("--dtype", default=dtype,
+                       help="weights' and activations' dtype (auto: the model's own)")
+    group.add_argument("--tensor-parallel-size", type=int, default=1,
+                       help="GPUs the target is split over")
+    group.add_argument("--max-model-len", type=int, default=max_model_len,
+                       help="longest prompt + output in tokens" + (
+                           "" if max_model_len else " (default: the longest prompt and "
+                           "answer the other options allow)"))
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="share of each GPU's memory vLLM may use")
+    group.add_argument("--max-num-seqs", type=int, default=max_num_seqs,
+                       help="requests the engine runs at once")
+
+
+def engine_options(args) -> dict:
+    """The engine arguments of :func:`add_engine_options`, keyed as vLLM's ``LLM``
+    takes them."""
+    return {"dtype": args.dtype, "tensor_parallel_size": args.tensor_parallel_size,
+            "max_model_len": args.max_model_len,
+            "gpu_memory_utilization": args.gpu_memory_utilization,
+            "max_num_seqs": args.max_num_seqs}
+
+
+def add_num_prompts(parser, default: int, help: str) -> None:
+    """``--num-prompts N`` (a count; ``--prompts`` is always a file)."""
+    parser.add_argument("--num-prompts", type=int, default=default, help=help)
+    parser.add_argument("--prompts", action=RenamedFlag, new="--num-prompts")
 
 
 def add_training_data_args(parser, artifact: str) -> None:
     """The arguments the drafter trainers share: the target, the output directory and
     the ShareGPT prompts whose greedy answers they train on."""
-    parser.add_argument("model", help="target model directory")
+    parser.add_argument("model", help="target model directory or Hugging Face Hub ID")
     parser.add_argument("--out", type=Path, required=True, help=f"{artifact} directory to write")
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="cache of answers and features (default: <out>.work)")
-    parser.add_argument("--prompts", type=int, default=1600, help="ShareGPT prompts to answer")
+    add_num_prompts(parser, 1600, "ShareGPT prompts to answer")
     parser.add_argument("--prompt-offset", type=int, default=200,
                         help="skip the first prompts (kept for warm-up and calibration)")
-    parser.add_argument("--max-prompt-tokens", type=int, default=384)
+    parser.add_argument("--max-prompt-tokens", type=int, default=384,
+                        help="longer prompts are left out")
     parser.add_argument("--max-tokens", type=int, default=256, help="answer length")
-    parser.add_argument("--dtype", default="float32", help="dtype of the answer generation")
-    parser.add_argument("--cache-dir", type=Path, default=None)
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="datasets and models (default: $VLLM_GRAFT_CACHE or "
+                        "~/.cache/vllm-graft)")
+    add_engine_options(parser, max_model_len=None, max_num_seqs=64)
 
 
-def training_data_settings(args) -> dict:
+def answer_engine_options(args) -> dict:
+    """The trainers' answer engine: :func:`engine_options`, its context long enough for
+    a prompt and its answer unless ``--max-model-len`` says otherwise."""
+    options = engine_options(args)
+    if options["max_model_len"] is None:
+        options["max_model_len"] = args.max_prompt_tokens + args.max_tokens
+    return options
+
+
+def training_data_settings(args, model: str | Path) -> dict:
     """What the trainers' cached answers and features depend on (a work directory of
-    either trainer serves the other)."""
-    return {"model": str(Path(args.model).resolve()), "prompts": args.prompts,
+    either trainer serves the other). ``model``: the target's directory."""
+    return {"model": str(Path(model).resolve()), "prompts": args.num_prompts,
             "prompt_offset": args.prompt_offset, "max_prompt_tokens": args.max_prompt_tokens,
             "max_tokens": args.max_tokens, "dtype": args.dtype}
 
 
-def render_prompts(tokenizer, prompts: list[Prompt]):
-    """Token prompts: chat prompts through the model's chat template, raw text as is."""
-    from vllm.inputs import TokensPrompt
+def training_target_and_work_dir(parser, args) -> tuple[Path, Path]:
+    """The target's local directory (a Hub ID's snapshot) and the work directory, made
+    and checked against the settings it was made with: either is a usage error naming
+    the problem before any work."""
+    from vllm_graft.offline.models import ModelNotFoundError, local_model_dir
+    from vllm_graft.training.data import WorkDirError, check_work_settings
 
-    from vllm_graft.training.data import chat_prompt_ids
-
-    return [TokensPrompt(prompt_token_ids=chat_prompt_ids(tokenizer, p)) for p in prompts]
-
-
-def corpus_sha256(prompts: list[Prompt]) -> str:
-    h = hashlib.sha256()
-    for p in prompts:
-        h.update(json.dumps([p.source, p.chat, p.text]).encode())
-    return h.hexdigest()
-
-
-@contextlib.contextmanager
-def engine(model: str, speculative_config=None, **options):
-    """An LLM that is shut down when the block ends. In-process unless the caller chose
-    otherwise: the tools run functions in the worker through ``collective_rpc`` (an
-    engine process of its own would need them pickled), and it starts several times
-    faster."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM
-
-    settings = dict(model=model, dtype="float32", max_model_len=4096, enforce_eager=True,
-                    seed=0, max_num_seqs=16, disable_log_stats=False)
-    settings.update(options)
-    llm = LLM(speculative_config=speculative_config, **settings)
     try:
-        yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-
-
-def counters(llm) -> dict:
-    """Speculative-decoding and Graft counters (cumulative)."""
-    out = {}
-    for metric in llm.get_metrics():
-        if metric.name.startswith(("vllm:spec_decode", "vllm:graft")):
-            value = getattr(metric, "values", getattr(metric, "value", None))
-            out[metric.name.removeprefix("vllm:")] = value
-    return out
-
-
-def counter_delta(after: dict, before: dict) -> dict:
-    out = {}
-    for key, value in after.items():
-        old = before.get(key, 0 if not isinstance(value, list) else [])
-        if isinstance(value, list):
-            old = list(old) + [0] * (len(value) - len(old))
-            out[key] = [a - b for a, b in zip(value, old)]
-        else:
-            out[key] = value - old
-    return out
+        model = local_model_dir(args.model)
+    except ModelNotFoundError as err:
+        parser.error(str(err))
+    work = args.work_dir or args.out.with_name(args.out.name + ".work")
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        check_work_settings(work, training_data_settings(args, model))
+    except WorkDirError as error:
+        parser.error(str(error))
+    return model, work
 
 
 def engine_budget(parser, args, chains: bool) -> int:
@@ -108,35 +149,21 @@ def engine_budget(parser, args, chains: bool) -> int:
 
 
 def add_engine_arguments(parser) -> None:
-    """The arguments every engine-driving tool takes after MODEL."""
+    """The arguments every engine-driving tool takes after MODEL, the engine options
+    included."""
     parser.add_argument("--head", required=True,
-                        help="EAGLE-3 head directory (or the draft model, see --drafter)")
+                        help="EAGLE-3 head directory or Hub ID (or the draft model, see "
+                        "--drafter)")
     parser.add_argument("--drafter", choices=["eagle3", "draft_model", "dflash"],
                         default="eagle3", help="what --head is: an EAGLE-3 head, an "
                         "ordinary draft model, or a DFlash block drafter (Graft-TAIL)")
-    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=256,
+                        help="tokens generated per conversation")
     parser.add_argument("--budget", type=int, default=None,
-                        help=f"tree nodes (default {PAPER_BUDGET}), or Graft-TAIL chain tokens "
-                             f"(default {DEFAULT_TAIL_LENGTH}, at most {MAX_TAIL_LENGTH})")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--out", type=Path, required=True)
+                        help=f"tree nodes (default {PAPER_BUDGET}), or Graft-TAIL chain "
+                             f"tokens (default {DEFAULT_TAIL_LENGTH}, at most "
+                             f"{MAX_TAIL_LENGTH})")
+    parser.add_argument("--out", type=Path, required=True, help="file to write")
     parser.add_argument("--cache-dir", type=Path, default=None,
-                        help="default: $VLLM_GRAFT_CACHE or ~/.cache/vllm-graft")
-
-
-def drafter_graft_keys(drafter: str) -> dict:
-    """The graft keys that select ``drafter`` (a DFlash drafter needs Graft-TAIL)."""
-    if drafter == "eagle3":
-        return {}
-    if drafter == "dflash":
-        return {"drafter": "dflash", "variant": "tail"}
-    return {"drafter": drafter}
-
-
-def graft_config_dict(head: str | Path, **graft) -> dict:
-    return {"method": "graft", "model": str(head), "graft": graft}
-
-
-def write_json(path: Path, data) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2))
+                        help="datasets (default: $VLLM_GRAFT_CACHE or ~/.cache/vllm-graft)")
+    add_engine_options(parser)

@@ -1,11 +1,10 @@
-"""``vllm-graft generate``: offline generation with Graft, showing the answers and
-acceptance statistics.
+"""Offline generation with Graft, showing the answers and acceptance statistics.
 
-    vllm-graft generate MODEL --speculative-config graft.json --prompts prompts.txt
+    vllm-graft generate MODEL --speculative-config graft.json --prompts-file prompts.txt
     vllm-graft generate MODEL --speculative-config graft.json --show-sources --compare
     vllm-graft generate MODEL --speculative-config graft.json --json > report.json
 
-Prompts come one per line from ``--prompts`` (or a few built-in ones). With ``--chat``
+Prompts come one per line from ``--prompts-file`` (or a few built-in ones). With ``--chat``
 each prompt is a user message rendered with the model's chat template (what an
 instruction-tuned model and its EAGLE-3 head were trained on). With ``--compare`` the
 same prompts are also generated without speculation, in the same process, and the run
@@ -28,9 +27,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from vllm_graft.cli.common import counter_delta, counters, engine
+from vllm_graft.cli.common import (RenamedFlag, add_engine_options, command_parser,
+                                   engine_options)
 from vllm_graft.cli.sources import LABELS, label_output, records_by_request, text_pieces
+from vllm_graft.cli.tree_view import graft_checkpoints, show_trees, tree_to_draw
 from vllm_graft.cli.view import comparison_table, engine_logs_to, log_tail, show_answer
+from vllm_graft.offline.engine import counter_delta, counters, cpu_runtime_defaults, engine
 
 DEFAULT_PROMPTS = [
     "def fibonacci(n):\n    \"\"\"Return the nth Fibonacci number.\"\"\"\n",
@@ -60,27 +62,31 @@ DEFAULT_CHAT_PROMPTS = [
 ]
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(prog="vllm-graft generate", description=__doc__.split("\n\n")[0])
-    p.add_argument("model")
+def build_parser():
+    p = command_parser("generate", __doc__)
+    p.add_argument("model", help="target model directory or Hugging Face Hub ID")
     p.add_argument("--speculative-config", required=True,
                    help="inline JSON or a JSON / YAML file (method graft)")
-    p.add_argument("--prompts", help="file with one prompt per line (\\n escapes allowed)")
+    p.add_argument("--prompts-file", help="file with one prompt per line (\\n escapes "
+                   "allowed; default: a few built-in prompts)")
+    p.add_argument("--prompts", action=RenamedFlag, new="--prompts-file",
+                   replacement="prompts_file")
     p.add_argument("--chat", action="store_true",
                    help="render each prompt as a user message with the chat template")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens per answer, at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     p.add_argument("--warmup-tokens", type=int, default=16,
                    help="untimed tokens each engine first generates for as many prompts "
                    "of its own (0: none)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="generate max-tokens tokens even past the end of an answer "
-                        "(default: yes, so runs compare equal lengths)")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=False,
+                   help="generate --max-tokens tokens even past the end of an answer "
+                        "(equal lengths for timing runs)")
     p.add_argument("--compare", action="store_true", help="also run without speculation")
     p.add_argument("--show-sources", action="store_true",
                    help="colour every answer token by where it came from")
+    p.add_argument("--show-tree", action="store_true",
+                   help="draw one verified tree per prompt: its drafted, retrieved and copied "
+                        "branches, the checkpoint that pruned the drafting, the accepted path")
     p.add_argument("--json", nargs="?", const="-", metavar="FILE",
                    help="the report as JSON (per-token text pieces and sources included), "
                         "on stdout instead of the view, or written to FILE")
@@ -88,6 +94,12 @@ def parse_args(argv):
                    help="show engine logs instead of writing them to --log-file")
     p.add_argument("--log-file", type=Path, default=None,
                    help="where engine logs go (default: $VLLM_GRAFT_CACHE/logs/generate.log)")
+    add_engine_options(p, max_model_len=2048, max_num_seqs=256)
+    return p
+
+
+def parse_args(argv):
+    p = build_parser()
     args = p.parse_args(argv)
     if args.warmup_tokens < 0:
         p.error(f"--warmup-tokens must be 0 or more, got {args.warmup_tokens}")
@@ -116,8 +128,7 @@ def run(model, spec, prompts, args, record: bool = False) -> dict:
 
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                             ignore_eos=args.ignore_eos)
-    with engine(model, spec, dtype=args.dtype, max_model_len=args.max_model_len,
-                max_num_seqs=256) as llm:
+    with engine(model, spec, **engine_options(args)) as llm:
         if args.warmup_tokens > 0:
             warmup = SamplingParams(temperature=0.0, max_tokens=args.warmup_tokens,
                                     ignore_eos=True)
@@ -142,6 +153,8 @@ def run(model, spec, prompts, args, record: bool = False) -> dict:
         result["sources"] = [
             label_output(by_request.get(o.request_id, []), len(o.prompt_token_ids), t).sources
             for o, t in zip(outputs, tokens)]
+        result["trees"] = [tree_to_draw(by_request.get(o.request_id, []), tokenizer)
+                           for o in outputs]
     return result
 
 
@@ -213,7 +226,7 @@ def build_report(prompts, graft: dict, plain: dict | None, args) -> dict:
 
 def generate_both(args, spec, prompts, status) -> tuple[dict, dict | None]:
     """The Graft run, then (with --compare) plain decoding, a spinner line each."""
-    record = args.show_sources or args.json is not None
+    record = args.show_sources or args.show_tree or args.json is not None
     with status("Starting the Graft engine and generating..."):
         graft = run(args.model, spec, prompts, args, record=record)
     plain = None
@@ -230,7 +243,6 @@ def show_view(console, report: dict) -> None:
 
 
 def main(argv=None) -> int:
-    from vllm_graft.cli.main import cpu_runtime_defaults
     from vllm_graft.vllm.config import load_speculative_config_arg
 
     args = parse_args(argv)
@@ -239,7 +251,7 @@ def main(argv=None) -> int:
     # engine process would need pickled functions), and they start several times faster.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     spec = load_speculative_config_arg(args.speculative_config)
-    prompts = load_prompts(args.prompts, args.chat)
+    prompts = load_prompts(args.prompts_file, args.chat)
     log_file = None if args.verbose else (args.log_file or default_log_file())
     with engine_logs_to(log_file) as (console, terminal):
         try:
@@ -254,6 +266,8 @@ def main(argv=None) -> int:
             console.file.write(json.dumps(report, indent=2) + "\n")
         else:
             show_view(console, report)
+            if args.show_tree:
+                show_trees(console, prompts, graft["trees"], graft_checkpoints(spec))
             if log_file is not None:
                 terminal.print(f"engine logs: {log_file}", style="dim")
         if args.json not in (None, "-"):

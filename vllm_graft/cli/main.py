@@ -11,10 +11,12 @@ JSON or the path of a JSON / YAML file, e.g.::
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata as metadata
 import os
 import sys
-from pathlib import Path
+
+from vllm_graft.offline.engine import cpu_runtime_defaults, has_gpu
 
 COMMANDS = {
     "serve": "run vLLM's OpenAI-compatible server (same arguments as `vllm serve`)",
@@ -28,9 +30,20 @@ COMMANDS = {
     "bench-serve": "vLLM's load generator against a server (same arguments as "
                    "`vllm bench serve`)",
 }
-_MODULES = {"generate": "generate", "prepare-models": "prepare", "train-head": "train_head",
-            "train-dflash": "train_dflash", "warmup": "warmup", "calibrate": "calibrate",
-            "bench": "bench"}
+#: the commands vLLM's own command line parses: their arguments go to it untouched
+VLLM_COMMANDS = {"serve": ("serve",), "bench-serve": ("bench", "serve")}
+#: command -> module of vllm_graft.cli whose main() runs it
+MODULES = {"generate": "generate", "prepare-models": "prepare", "train-head": "train_head",
+           "train-dflash": "train_dflash", "warmup": "warmup", "calibrate": "calibrate",
+           "bench": "bench"}
+
+
+def version() -> str:
+    """This installation's version, from the package metadata."""
+    try:
+        return metadata.version("vllm-graft")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def _fix_vllm_version_lookup() -> None:
@@ -53,29 +66,6 @@ def _fix_vllm_version_lookup() -> None:
     metadata.version = version
 
 
-def cpu_runtime_defaults(environ=os.environ) -> None:
-    """Defaults vLLM's CPU backend needs on a machine without a GPU: a bounded KV cache
-    (unset, vLLM tries to reserve 92 % of RAM) and Intel OpenMP for the engine
-    processes it spawns (without it they run far slower)."""
-    if _has_gpu():
-        return
-    environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
-    preload = environ.get("LD_PRELOAD", "")
-    if iomp.is_file() and str(iomp) not in preload:
-        environ["LD_PRELOAD"] = f"{iomp}:{preload}" if preload else str(iomp)
-
-
-def _has_gpu() -> bool:
-    import shutil
-    import subprocess
-
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return False
-    return subprocess.run([smi, "-L"], capture_output=True).returncode == 0
-
-
 #: oneDNN primitive cache capacity of a CPU server (oneDNN's own default: 1,024)
 SERVER_ONEDNN_PRIMITIVE_CACHE = "128"
 
@@ -87,46 +77,46 @@ def cpu_server_defaults(environ=os.environ) -> None:
     server's forwards meet many row counts, so the default 1,024 entries fill only after
     10-20 minutes of traffic and some 300 MB. Measured: no speed difference under the
     load test (bench/results/README.md, "A flat resident size"). A value already set is kept."""
-    if not _has_gpu():
+    if not has_gpu():
         environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", SERVER_ONEDNN_PRIMITIVE_CACHE)
 
 
-def serve(argv: list[str]) -> int:
+def run_vllm(command: str, argv: list[str]) -> int:
+    """``vllm serve`` or ``vllm bench serve`` with ``argv``, Graft available."""
     _fix_vllm_version_lookup()
-    cpu_runtime_defaults()
-    cpu_server_defaults()
+    if command == "serve":
+        cpu_runtime_defaults()
+        cpu_server_defaults()
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    sys.argv = ["vllm", "serve", *argv]
+    sys.argv = ["vllm", *VLLM_COMMANDS[command], *argv]
     return vllm_main() or 0
 
 
-def bench_serve(argv: list[str]) -> int:
-    _fix_vllm_version_lookup()
-    from vllm.entrypoints.cli.main import main as vllm_main
-
-    sys.argv = ["vllm", "bench", "serve", *argv]
-    return vllm_main() or 0
+def build_parser() -> argparse.ArgumentParser:
+    """The top level: ``--version`` and one subcommand, whose own parser (``vllm-graft
+    COMMAND --help``) reads the rest."""
+    parser = argparse.ArgumentParser(
+        prog="vllm-graft", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Graft speculative decoding for vLLM: serve, generate, train "
+                    "drafters, warm up, calibrate and benchmark.",
+        epilog="`vllm-graft COMMAND --help` shows a command's arguments and their defaults.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, text in COMMANDS.items():
+        commands.add_parser(name, help=text, add_help=False)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: vllm-graft COMMAND [ARGS]\n\ncommands:")
-        for name, text in COMMANDS.items():
-            print(f"  {name:<10} {text}")
-        return 0 if argv else 2
-    command, rest = argv[0], argv[1:]
-    if command == "serve":
-        return serve(rest)
-    if command == "bench-serve":
-        return bench_serve(rest)
-    if command in _MODULES:
-        import importlib
+    if argv and argv[0] in VLLM_COMMANDS:  # vLLM parses these, --help included
+        return run_vllm(argv[0], argv[1:])
+    parser = build_parser()
+    command = parser.parse_args(argv[:1]).command
+    import importlib
 
-        return importlib.import_module(f"vllm_graft.cli.{_MODULES[command]}").main(rest)
-    print(f"vllm-graft: unknown command {command!r}; try --help", file=sys.stderr)
-    return 2
+    return importlib.import_module(f"vllm_graft.cli.{MODULES[command]}").main(argv[1:])
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""``vllm-graft train-dflash``: train a DFlash block drafter for a target, reproducibly.
+"""Train a DFlash block drafter for a target, reproducibly.
 
-    vllm-graft train-dflash MODEL --out DRAFTER_DIR [--prompts 1600] [--block 8]
+    vllm-graft train-dflash MODEL --out DRAFTER_DIR [--num-prompts 1600] [--block 8]
 
 The target answers ShareGPT prompts (greedy, vLLM), transformers extracts its hidden
 states at the drafter's target layers over prompt + answer, and the drafter is trained
@@ -14,7 +14,6 @@ work directory serves both). Writes ``DRAFTER_DIR`` in the layout vLLM's DFlash 
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import sys
@@ -23,14 +22,13 @@ from pathlib import Path
 
 from vllm_graft.assets import datasets
 from vllm_graft.assets.pypi import default_cache_dir
-from vllm_graft.cli.common import add_training_data_args, training_data_settings
+from vllm_graft.cli.common import (add_training_data_args, answer_engine_options,
+                                   command_parser, training_target_and_work_dir)
+from vllm_graft.offline.engine import cpu_runtime_defaults
 
 
-def main(argv=None) -> int:
-    from vllm_graft.cli.main import cpu_runtime_defaults
-
-    p = argparse.ArgumentParser(prog="vllm-graft train-dflash",
-                                description=__doc__.split("\n\n")[0])
+def build_parser():
+    p = command_parser("train-dflash", __doc__)
     add_training_data_args(p, "drafter")
     p.add_argument("--block", type=int, default=8,
                    help="tokens per block (vLLM's num_speculative_tokens, Graft's budget)")
@@ -39,8 +37,8 @@ def main(argv=None) -> int:
                    help="how many target layers the drafter reads (spread evenly)")
     p.add_argument("--target-layer-ids", type=int, nargs="+", default=None,
                    help="explicit DFlash target layer ids (overrides --target-layers)")
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--epochs", type=int, default=3, help="passes over the features")
+    p.add_argument("--lr", type=float, default=6e-4, help="learning rate")
     p.add_argument("--anchors", type=int, default=48,
                    help="blocks per sequence and epoch (random answer positions)")
     p.add_argument("--batch-predictions", type=int, default=1536,
@@ -52,10 +50,16 @@ def main(argv=None) -> int:
                    "j with probability exp(-(j - 1) / gamma)")
     p.add_argument("--mask-token-id", type=int, default=None,
                    help="default: an unused special token of the tokenizer")
-    p.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="dtype of the saved weights")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampled blocks")
     p.add_argument("--chunk", type=int, default=200,
                    help="prompts per cached chunk of answers and of features")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     cpu_runtime_defaults()
 
@@ -67,11 +71,8 @@ def main(argv=None) -> int:
     from vllm_graft.training.dflash import (default_target_layer_ids, feature_layers,
                                             train_dflash)
 
-    model = Path(args.model)
-    work = args.work_dir or args.out.with_name(args.out.name + ".work")
-    work.mkdir(parents=True, exist_ok=True)
+    model, work = training_target_and_work_dir(p, args)
     try:
-        check_work_settings(work, training_data_settings(args))
         # features are cached per chunk of answers, in folders named by their first
         check_work_settings(work, {"chunk": args.chunk}, name="chunks.json")
     except WorkDirError as error:
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
     answers_path = work / "answers.jsonl"
     cached = answers_path.is_file()
     if not cached:
-        prompts = datasets.sharegpt(cache, limit=args.prompts, offset=args.prompt_offset)
+        prompts = datasets.sharegpt(cache, limit=args.num_prompts, offset=args.prompt_offset)
         parts = []
         (work / "answers-parts").mkdir(exist_ok=True)
         for start in range(0, len(prompts), args.chunk):
@@ -98,7 +99,7 @@ def main(argv=None) -> int:
                 str(model), prompts[start:start + args.chunk],
                 work / "answers-parts" / f"{start:06d}.jsonl",
                 max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
-                dtype=args.dtype))
+                **answer_engine_options(args)))
         tmp = answers_path.with_suffix(".tmp")
         tmp.write_text("".join(part.read_text() for part in parts))
         tmp.replace(answers_path)
@@ -124,7 +125,7 @@ def main(argv=None) -> int:
     stages["training"] = report["seconds"]
     report["data"] = {
         "prompts": f"ShareGPT first turns {args.prompt_offset}.."
-                   f"{args.prompt_offset + args.prompts - 1} ({len(answers)} within "
+                   f"{args.prompt_offset + args.num_prompts - 1} ({len(answers)} within "
                    f"{args.max_prompt_tokens} prompt tokens)",
         "answer_tokens": sum(len(a["answer_ids"]) for a in answers),
         "prompt_tokens": sum(len(a["prompt_ids"]) for a in answers),

@@ -1,6 +1,6 @@
-"""``vllm-graft train-head``: train an EAGLE-3 head for a target, reproducibly.
+"""Train an EAGLE-3 head for a target, reproducibly.
 
-    vllm-graft train-head MODEL --out HEAD_DIR [--prompts 1600] [--epochs 2]
+    vllm-graft train-head MODEL --out HEAD_DIR [--num-prompts 1600] [--epochs 2]
 
 The target answers ShareGPT prompts (greedy, vLLM), transformers extracts its hidden
 states over prompt + answer, and the head is trained with training-time test (see
@@ -11,47 +11,45 @@ interrupted run resumes. Writes ``HEAD_DIR`` in vLLM's EAGLE-3 layout plus
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import sys
-from pathlib import Path
 
 from vllm_graft.assets import datasets
 from vllm_graft.assets.pypi import default_cache_dir
-from vllm_graft.cli.common import add_training_data_args, training_data_settings
+from vllm_graft.cli.common import (add_training_data_args, answer_engine_options,
+                                   command_parser, training_target_and_work_dir)
+from vllm_graft.offline.engine import cpu_runtime_defaults
+
+
+def build_parser():
+    p = command_parser("train-head", __doc__)
+    add_training_data_args(p, "head")
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="the head's vocabulary: the target's most frequent answer tokens")
+    p.add_argument("--ttt-steps", type=int, default=3,
+                   help="training-time test: draft steps unrolled per position")
+    p.add_argument("--epochs", type=int, default=2, help="passes over the features")
+    p.add_argument("--lr", type=float, default=5e-4, help="learning rate")
+    p.add_argument("--batch-tokens", type=int, default=2048, help="tokens per optimiser step")
+    return p
 
 
 def main(argv=None) -> int:
-    from vllm_graft.cli.main import cpu_runtime_defaults
-    from vllm_graft.training.data import (WorkDirError, check_work_settings,
-                                          default_aux_layers, extract_features,
+    from vllm_graft.training.data import (default_aux_layers, extract_features,
                                           generate_answers, read_answers)
     from vllm_graft.training.train import train_head
 
-    p = argparse.ArgumentParser(prog="vllm-graft train-head",
-                                description=__doc__.split("\n\n")[0])
-    add_training_data_args(p, "head")
-    p.add_argument("--draft-vocab", type=int, default=8192)
-    p.add_argument("--ttt-steps", type=int, default=3)
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--batch-tokens", type=int, default=2048)
+    p = build_parser()
     args = p.parse_args(argv)
     cpu_runtime_defaults()
 
-    model = Path(args.model)
-    work = args.work_dir or args.out.with_name(args.out.name + ".work")
-    work.mkdir(parents=True, exist_ok=True)
-    try:
-        check_work_settings(work, training_data_settings(args))
-    except WorkDirError as error:
-        p.error(str(error))
+    model, work = training_target_and_work_dir(p, args)
     cache = args.cache_dir or default_cache_dir()
-    prompts = datasets.sharegpt(cache, limit=args.prompts, offset=args.prompt_offset)
+    prompts = datasets.sharegpt(cache, limit=args.num_prompts, offset=args.prompt_offset)
     answers = generate_answers(str(model), prompts, work / "answers.jsonl",
                                max_prompt_tokens=args.max_prompt_tokens,
-                               max_tokens=args.max_tokens, dtype=args.dtype)
+                               max_tokens=args.max_tokens, **answer_engine_options(args))
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
     aux = default_aux_layers(layers)
     features = extract_features(str(model), read_answers(answers), work / "features",

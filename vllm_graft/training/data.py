@@ -54,8 +54,9 @@ def chat_prompt_ids(tokenizer, prompt: Prompt) -> list[int]:
 
 
 def generate_answers(model: str, prompts: list[Prompt], out: Path, *, max_prompt_tokens: int,
-                     max_tokens: int, dtype: str = "bfloat16") -> Path:
-    """Writes ``out`` (JSON lines: prompt_ids, answer_ids). Idempotent."""
+                     max_tokens: int, dtype: str = "bfloat16", **engine_options) -> Path:
+    """Writes ``out`` (JSON lines: prompt_ids, answer_ids). Idempotent.
+    ``engine_options``: further vLLM engine arguments (tensor parallelism, ...)."""
     if out.is_file():
         return out
     from transformers import AutoTokenizer
@@ -65,8 +66,9 @@ def generate_answers(model: str, prompts: list[Prompt], out: Path, *, max_prompt
     tokenizer = AutoTokenizer.from_pretrained(model)
     ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
     ids = [x for x in ids if len(x) <= max_prompt_tokens]
-    llm = LLM(model=model, dtype=dtype, max_model_len=max_prompt_tokens + max_tokens,
-              enforce_eager=True, seed=0, max_num_seqs=64)
+    llm = LLM(model=model, enforce_eager=True, seed=0,
+              **{"max_model_len": max_prompt_tokens + max_tokens, "max_num_seqs": 64,
+                 **engine_options, "dtype": dtype})
     outputs = llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids],
                            SamplingParams(temperature=0.0, max_tokens=max_tokens),
                            use_tqdm=True)
