@@ -114,25 +114,13 @@ def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
             kv_reader(impl, layer, kv_cache)  # refuses a layout it cannot read
             tree_attention_patch(type(impl)).apply()
         if self.drafter.auto_size:
-            from vllm_graft.core.budget import (AcceptanceModel, ChainScout,
-                                                ThroughputGuard, TreeSizer)
-            from vllm_graft.core.config import StepMode
+            from vllm_graft.core.budget import build_budget_systems
             from vllm_graft.vllm.cost_profile import load_or_measure
 
-            acceptance, chain_acceptance = AcceptanceModel(), AcceptanceModel()
-            calibration = self.drafter.settings.calibration
-            if calibration is not None and calibration.acceptance is not None:
-                acceptance.seed(calibration.acceptance)
-            if calibration is not None and calibration.chain_acceptance is not None:
-                chain_acceptance.seed(calibration.chain_acceptance)
-            self.drafter.sizer = TreeSizer(load_or_measure(self), acceptance,
-                                           chain_acceptance)
-            config = self.drafter.settings.config
-            if config.auto_guard:
-                self.drafter.guard = ThroughputGuard(modes=config.guard_modes)
-                scouts = {StepMode.CHAIN, StepMode.PLAIN} <= set(config.guard_modes)
-                if scouts and config.chain_scout_every:
-                    self.drafter.scout = ChainScout(every=config.chain_scout_every)
+            settings = self.drafter.settings
+            self.drafter.sizer, self.drafter.guard, self.drafter.scout = \
+                build_budget_systems(settings.config, load_or_measure(self),
+                                     settings.calibration)
     return out
 
 
