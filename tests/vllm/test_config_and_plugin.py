@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from tests.vllm.conftest import engine_stats, graft_spec, running_llm
+from tests.vllm.conftest import graft_spec, running_llm, spec_metrics
 from vllm_graft.core.config import GraftConfigError
 from vllm_graft.vllm.config import load_speculative_config_arg, translate_speculative_config
 from vllm_graft.vllm.version import UnsupportedVLLMVersion, check_vllm_version
@@ -130,9 +130,9 @@ def test_explicit_thresholds_and_calibration_reach_the_runner(tiny_models, tmp_p
     spec = graft_spec(tiny_models.head, calibration=str(tmp_path / "calib.json"))
     with running_llm(tiny_models.target, spec) as llm:
         llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
-        stats = engine_stats(llm)
+        metrics = spec_metrics(llm)
     # thresholds 1.0 from the file: every tree stopped at the root checkpoint
-    assert stats["vllm:graft_stage_0"] == stats["vllm:graft_trees_built"] > 0
+    assert metrics["graft_stage_0"] == metrics["graft_trees_built"] > 0
 
 
 def test_cli_parser_takes_a_file_inline_json_and_config_yaml(tmp_path):

@@ -1,10 +1,10 @@
 """``vllm-graft serve`` with ``--speculative-config graft.json`` on 127.0.0.1: an
 OpenAI chat and a completion request answered, Graft's counters on ``/metrics`` (engine
 core and API server in separate processes, so the counters crossed the process
-boundary), every metric the Grafana dashboard queries among them; malformed requests
-answered 4xx and a client gone mid-stream, with the server serving on; SIGTERM while a
-request streams saves the successor state at once, drains the request to its greedy
-text, stops the server cleanly and saves again."""
+boundary), every metric the Grafana dashboard queries among them and every Graft metric
+on the dashboard; malformed requests answered 4xx and a client gone mid-stream, with the
+server serving on; SIGTERM while a request streams saves the successor state at once,
+drains the request to its greedy text, stops the server cleanly and saves again."""
 
 from __future__ import annotations
 
@@ -123,10 +123,17 @@ def test_serve_answers_and_exports_graft_metrics(tiny_models, tmp_path):
         assert values["graft_trees_built"] > 0, values
         assert values["graft_verified_trees"] > 0
         assert values["spec_decode_num_drafts"] > 0
-        assert "vllm:graft_stage_0_total" in metrics
+        assert re.search(r'^vllm:graft_drafting_stops_total\{[^}]*stage="0"', metrics, re.M)
+        assert re.search(r'^vllm:graft_accepted_tokens_total\{[^}]*source="context"',
+                         metrics, re.M)
+        assert "_us_total" not in metrics
         exported = set(re.findall(r"^(vllm:\w+)\{", metrics, re.M))
         missing = dashboard_metric_names() - exported
         assert not missing, f"the dashboard queries metrics /metrics lacks: {sorted(missing)}"
+        graft = {name for name in exported
+                 if name.startswith("vllm:graft_") and not name.endswith("_created")}
+        unshown = graft - dashboard_metric_names()
+        assert not unshown, f"/metrics exports metrics the dashboard lacks: {sorted(unshown)}"
 
         completions = f"{base}/v1/completions"
         model = str(tiny_models.target)
