@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -156,20 +157,27 @@ def resident_mb(root_pid: int) -> float:
 
 # ---- traffic ------------------------------------------------------------------------------
 def graft_counters(base: str) -> dict:
-    """Graft's Prometheus counters on the server (``vllm:graft_*_total``, summed over
-    labels; empty for a server without Graft): what the throughput guard chose."""
+    """Graft's Prometheus counters on the server (``vllm:graft_*_total``) by the worker's
+    names and units, summed over engines; empty for a server without Graft: what the
+    throughput guard chose (``guard_<mode>_steps``)."""
     with urllib.request.urlopen(f"{base}/metrics", timeout=60) as response:
         return parse_graft_counters(response.read().decode())
 
 
 def parse_graft_counters(text: str) -> dict:
+    from vllm_graft.vllm.metrics import worker_of
+
     counters: dict[str, float] = {}
     for line in text.splitlines():
-        if not line.startswith("vllm:graft_") or "_total" not in line.split(" ")[0]:
+        series, value = line.rsplit(" ", 1) if " " in line else (line, "")
+        name = series.split("{")[0]
+        if not name.startswith("vllm:graft_") or not name.endswith("_total"):
             continue
-        name = line.split("{")[0].split(" ")[0].removeprefix("vllm:graft_")
-        name = name.removesuffix("_total")
-        counters[name] = counters.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        labels = {k: v for k, v in re.findall(r'(\w+)="([^"]*)"', series)
+                  if k not in ("engine", "model_name")}
+        worker, scale = worker_of(name.removeprefix("vllm:graft_").removesuffix("_total"),
+                                  labels)
+        counters[worker] = counters.get(worker, 0.0) + round(float(value) / scale, 3)
     return counters
 
 

@@ -50,12 +50,13 @@ def test_the_floor_holds_under_a_saw_tooth_and_climbs_with_a_leak(load_test):
 
 def test_graft_counters_are_read_from_prometheus_text(load_test):
     text = "\n".join([
-        "# HELP vllm:graft_guard_tree_steps_total Steps ...",
-        "# TYPE vllm:graft_guard_tree_steps_total counter",
-        'vllm:graft_guard_tree_steps_total{engine="0",model_name="m"} 12.0',
-        'vllm:graft_guard_plain_steps_total{engine="0",model_name="m"} 30.0',
-        'vllm:graft_guard_plain_steps_total{engine="1",model_name="m"} 5.0',
-        'vllm:graft_guard_plain_steps_created{engine="0",model_name="m"} 1.7e9',
+        "# HELP vllm:graft_steps_total Steps ...",
+        "# TYPE vllm:graft_steps_total counter",
+        'vllm:graft_steps_total{engine="0",mode="tree",model_name="m"} 12.0',
+        'vllm:graft_steps_total{engine="0",mode="plain",model_name="m"} 30.0',
+        'vllm:graft_steps_total{engine="1",mode="plain",model_name="m"} 5.0',
+        'vllm:graft_steps_created{engine="0",mode="plain",model_name="m"} 1.7e9',
+        'vllm:graft_bookkeeping_seconds_total{engine="0",model_name="m"} 0.25',
         'vllm:num_requests_running{engine="0"} 3.0'])
-    assert load_test.parse_graft_counters(text) == {"guard_tree_steps": 12.0,
-                                                    "guard_plain_steps": 35.0}
+    assert load_test.parse_graft_counters(text) == {
+        "guard_tree_steps": 12.0, "guard_plain_steps": 35.0, "bookkeeping_us": 250000.0}
