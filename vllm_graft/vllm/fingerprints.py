@@ -257,6 +257,13 @@ FINGERPRINTS: tuple[Fingerprint, ...] = (
         params=('self', 'grammar_output'),
     ),
     Fingerprint(
+        'vllm.v1.worker.gpu_model_runner', 'GPUModelRunner.execute_model',
+        patched_by='graft.runner',
+        why=('wrapped: a step that only retires requests returns the shared empty output, '
+             'and a copy of it carries the Graft gauges'),
+        params=('self', 'scheduler_output', 'intermediate_tensors'),
+    ),
+    Fingerprint(
         'vllm.entrypoints.openai.chat_completion.protocol', 'ChatCompletionRequest.to_sampling_params',
         patched_by='graft.openai_user.ChatCompletionRequest',
         why='wrapped: the user field becomes the tenant of graft.isolation',

@@ -114,6 +114,7 @@ def all_patches() -> list[Patch]:
             "_input_fits_in_drafter": runner_steps.input_fits_in_drafter,
             "propose_draft_token_ids": runner_steps.propose_draft_token_ids,
             "sample_tokens": runner_steps.sample_tokens,
+            "execute_model": runner_steps.execute_model,
             "_dummy_sampler_run": runner_lifecycle.dummy_sampler_run,
             "shutdown": runner_lifecycle.shutdown_runner}),
         _replace("graft.logitsprocs", runner_module,

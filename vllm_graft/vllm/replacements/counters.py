@@ -14,7 +14,7 @@ from vllm.v1.metrics.loggers import PrometheusStatLogger
 
 from vllm_graft.vllm.config import ADDITIONAL_CONFIG_KEY
 from vllm_graft.vllm.metrics import (GRAFT_COUNTERS, GraftPrometheus, GraftSchedulerStats,
-                                     with_graft_stats)
+                                     split_gauges, with_graft_stats)
 from vllm_graft.vllm.patching import call_original
 
 #: 14: the annotation ``EngineCoreOutputs`` gets for the stats carrying the counters
@@ -23,9 +23,11 @@ SCHEDULER_STATS_ANNOTATION = {"scheduler_stats": GraftSchedulerStats | None}
 
 def update_from_output(self, scheduler_output, model_runner_output):
     """13: ``Scheduler.update_from_output``; adds up the step's counters."""
-    counts = getattr(model_runner_output, "graft_stats", None)
-    if counts:
+    values = getattr(model_runner_output, "graft_stats", None)
+    if values:
+        counts, gauges = split_gauges(values)
         self.__dict__.setdefault("_graft_counts", Counter()).update(counts)
+        self.__dict__.setdefault("_graft_gauges", {}).update(gauges)
     return call_original(Scheduler, "update_from_output")(
         self, scheduler_output, model_runner_output)
 
@@ -33,7 +35,8 @@ def update_from_output(self, scheduler_output, model_runner_output):
 def make_stats(self, *args, **kwargs):
     """13: ``Scheduler.make_stats``; the stats carry the counters summed since the last."""
     stats = call_original(Scheduler, "make_stats")(self, *args, **kwargs)
-    return with_graft_stats(stats, self.__dict__.get("_graft_counts", Counter()))
+    return with_graft_stats(stats, self.__dict__.get("_graft_counts", Counter()),
+                            self.__dict__.get("_graft_gauges"))
 
 
 def prometheus_init(self, vllm_config, *args, **kwargs):

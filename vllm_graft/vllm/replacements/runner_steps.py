@@ -11,11 +11,14 @@ step decode plainly, and enough failing steps in a row turn Graft off for the en
 from __future__ import annotations
 
 import contextlib
+import copy
 
+import vllm.v1.worker.gpu_model_runner as runner_module
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_graft.core.config import StepMode
 from vllm_graft.vllm import runner as graft_runner
+from vllm_graft.vllm.metrics import request_table_values
 from vllm_graft.vllm.patching import call_original
 from vllm_graft.vllm.proposal import last_proposal
 from vllm_graft.vllm.proposer import GraftDFlashProposer
@@ -50,6 +53,16 @@ def speculation_hidden(runner):
         yield
     finally:
         runner.speculative_config = config
+
+
+def with_step_stats(self, output):
+    """``output`` (a copy of vLLM's shared empty output) carrying the step's counts
+    and the gauges (vllm_graft.vllm.metrics)."""
+    if output is runner_module.EMPTY_MODEL_RUNNER_OUTPUT:
+        output = copy.copy(output)
+    output.graft_stats = {**self._graft_stats.take(), **request_table_values(
+        self.drafter.request_state_counts())}
+    return output
 
 
 def update_states(self, scheduler_output, *args, **kwargs):
@@ -181,7 +194,15 @@ def sample_tokens(self, *args, **kwargs):
         except Exception as error:
             self._graft_faults.failed("after", error, self._graft_stats)
         self._graft_faults.end_step()
-        counts = self._graft_stats.take()
-        if counts:
-            output.graft_stats = counts
+        output = with_step_stats(self, output)
+    return output
+
+
+def execute_model(self, scheduler_output, *args, **kwargs):
+    output = call_original(GPUModelRunner, "execute_model")(self, scheduler_output, *args,
+                                                            **kwargs)
+    if graft_on(self) and output is runner_module.EMPTY_MODEL_RUNNER_OUTPUT:
+        # a step that only retired requests (the last ones of a load): their
+        # entries were dropped in _update_states, and the gauge says so
+        output = with_step_stats(self, output)
     return output
