@@ -150,7 +150,8 @@ class ContextRetrievalConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="copy continuations of the request's own "
+                          "context into its trees (prompt lookup as a tree)")
     max_nodes: int = Field(16, ge=0, le=256, description="copied nodes per tree")
     max_depth: int = Field(16, ge=1, le=64, description="longest copied continuation")
     max_matches: int = Field(8, ge=1, le=64, description="earlier occurrences followed")
@@ -159,7 +160,8 @@ class ContextRetrievalConfig(BaseModel):
         "any other branch (prompt lookup's chain stays whole)")
     min_ngram: int = Field(2, ge=1, le=32, description="shortest suffix matched")
     max_ngram: int = Field(8, ge=1, le=32, description="longest suffix matched")
-    cross_request: bool = False
+    cross_request: bool = Field(False, description="also match recent outputs of other "
+                                "requests of the engine (shares text between them)")
     cross_request_tokens: int = Field(
         65536, ge=1, le=1 << 24, description="recent output tokens the shared index holds")
 
@@ -216,7 +218,10 @@ class IsolationConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    mode: Literal["global", "tenant", "request"] = "tenant"
+    mode: Literal["global", "tenant", "request"] = Field(
+        "tenant", description="global: one matrix for all; tenant: one per tenant named "
+        "by tenant_source, a private one for a request naming none; request: one per "
+        "request")
     max_matrices: int | None = Field(
         None, ge=1, le=4096, description="matrices allocated at start-up (tenant, request "
         "modes; default: the engine's max_num_seqs + 16, so every running request can "
@@ -308,27 +313,43 @@ class GraftConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    variant: Variant = Variant.GRAFT
+    variant: Variant = Field(Variant.GRAFT, description="graft (hybrid trees), dense_tree "
+                             "(EAGLE-3 tree), prune_only, retrieval_only, or tail "
+                             "(Graft-TAIL chains)")
     drafter: str = Field("eagle3", pattern="^(eagle3|draft_model|dflash)$",
                          description="an EAGLE-3 head, an ordinary draft model, or a "
                          "DFlash block drafter (variant tail only)")
     budget: int = Field(60, ge=1, le=256, description="candidate nodes per tree, or "
-                        "\"auto\" (the default): 60 as a cap, sized per step")
+                        "\"auto\": 60 as a cap, sized per step by measured cost "
+                        "and acceptance, each step's mode chosen by the throughput guard",
+                        json_schema_extra={"shown_default": "\"auto\""})
     top_k: int = Field(10, ge=1, le=64, description="drafter branching factor")
     max_depth: int = Field(7, ge=1, le=32, description="draft steps without pruning")
-    checkpoints: tuple[int, ...] = PAPER_CHECKPOINTS
-    draft_keep: tuple[int, ...] = PAPER_DRAFT_KEEP
-    thresholds: tuple[float, ...] | None = None
-    calibration: str | None = None
+    checkpoints: tuple[int, ...] = Field(PAPER_CHECKPOINTS, description="draft depths at "
+                                         "which drafting may stop early")
+    draft_keep: tuple[int, ...] = Field(PAPER_DRAFT_KEEP, description="drafted nodes kept "
+                                        "when drafting stops at each checkpoint")
+    thresholds: tuple[float, ...] | None = Field(
+        None, description="best-path confidence below which drafting stops, one per "
+        "checkpoint; wins over the calibration file's (default: the calibrated ones, else "
+        "0.35, 0.25, 0.15)")
+    calibration: str | None = Field(None, description="calibration file (`vllm-graft "
+                                     "calibrate`): thresholds and acceptance odds")
     successor_k: int = Field(8, ge=1, le=64, description="successors stored per token")
     warmup: str | None = Field(None, description="successor matrix file to start from")
-    retrieval_depth: int = Field(8, ge=1, le=32)
-    retrieval_width: int = Field(8, ge=1, le=64)
+    retrieval_depth: int = Field(8, ge=1, le=32, description="deepest level of the "
+                                 "retrieval template")
+    retrieval_width: int = Field(8, ge=1, le=64, description="widest level of the "
+                                 "retrieval template")
     retrieval_slack: int = Field(
         8, ge=0, le=256, description="extra template nodes that refill merged duplicates"
     )
-    rank_prior: tuple[float, ...] = DEFAULT_RANK_PRIOR
-    ops_backend: str = Field("compiled", pattern="^(compiled|reference)$")
+    rank_prior: tuple[float, ...] = Field(DEFAULT_RANK_PRIOR, description="prior "
+                                          "acceptance of a retrieved node by its "
+                                          "successor rank")
+    ops_backend: str = Field("compiled", pattern="^(compiled|reference)$",
+                             description="compiled: the fused step ops; reference: the "
+                             "plain torch path they are tested against")
     tree_shape: TreeShape = Field(
         TreeShape.AUTO, description="fixed: exactly budget nodes per tree; dynamic: up to "
         "budget; auto: fixed under full CUDA graphs over the verification, else dynamic")
