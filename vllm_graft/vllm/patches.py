@@ -24,6 +24,7 @@ through the general-plugin entry point.
 | 9 | ``GPUModelRunner._input_fits_in_drafter`` | per-request fit is Graft's job |
 | 10 | ``GPUModelRunner.propose_draft_token_ids`` | catch-up + tree drafting (DFlash: vLLM's block proposal, then Graft-TAIL) |
 | 11 | ``GPUModelRunner.sample_tokens`` | ship Graft counters with the output; periodic successor-state save and heap trim |
+| 11a | ``GPUModelRunner.execute_model`` | a step that only retires requests still ships Graft's gauges (the per-request tables drain to zero) |
 | 11b | ``GPUModelRunner.shutdown`` | save the successor state (``graft.successor_state``) |
 | 11c | ``v1.engine.core.EngineCoreProc._handle_shutdown`` | save the successor state when a shutdown is requested, before draining |
 | 11d | ``GPUModelRunner._dummy_sampler_run`` | the start-up memory profile includes a full step of trees (logits of every tree row, their top-k, the fused step's buffers) |
