@@ -11,20 +11,6 @@ from vllm_graft.vllm.proposal import last_proposal
 from vllm_graft.vllm.tree_verification import VerifiedTree
 
 
-def learn_every_row(runner, logits: torch.Tensor, spec_decode_metadata,
-                     row_topk: torch.Tensor, padding_rows: list[int]) -> None:
-    """:func:`learn` when every logits row is a verified row (each request's drafts
-    are its chain, or it has none): the row's input token learns the target's top-k
-    there, but for the ``padding_rows`` of fixed-shape chains."""
-    drafter = runner.drafter
-    tokens = runner.input_ids.gpu[spec_decode_metadata.logits_indices].long()
-    if padding_rows:
-        tokens[torch.tensor(padding_rows, device=tokens.device)] = -1
-    num_draft_tokens = spec_decode_metadata.num_draft_tokens
-    partitions = row_partitions(runner, [drafts + 1 for drafts in num_draft_tokens])
-    drafter.matrix.update_from_logits_(tokens, logits, None, partitions, next_tokens=row_topk)
-
-
 def row_partitions(runner, counts: list[int]) -> torch.Tensor | None:
     """The matrix partition each learned row teaches: request ``b``'s, repeated for its
     ``counts[b]`` rows (None: every request shares partition 0)."""
@@ -58,43 +44,43 @@ def learned_rows(runner, host_tree: HybridTree, spec_decode_metadata, starts: to
     return runner.drafter.matrix.partition_rows(tokens, partitions.unsqueeze(1))
 
 
-def learn(runner, logits, spec_decode_metadata, starts, trees, row_topk=None) -> None:
-    """Every verified row teaches the successor matrix: all rows of each tree, and the
-    sampled row of every other request (its decode or last prefill row). One update in
-    persistent-batch order, so the last-writer rule is the same on every rank.
-    ``row_topk`` [B, rows, k]: the target's top-k at every tree row when acceptance has
-    read it already (row 0 of a request without a tree is its sampled row)."""
-    device = starts.device
-    batch = starts.numel()
+def learn(runner, logits: torch.Tensor, spec_decode_metadata, trees: list[VerifiedTree],
+          row_topk: torch.Tensor | None = None) -> None:
+    """Every verified row teaches the successor matrix: each row of a verified tree but
+    the padding of fixed-shape trees, and the sampled row of every other request (its
+    decode or last prefill row). The row's input token learns the target's top-k there,
+    in its request's partition; one update in persistent-batch order, so the last-writer
+    rule is the same on every rank. ``row_topk``: the target's top-k where the walk read
+    it already, [B, rows, k] at each request's tree rows (row 0 of a request without a
+    tree is its sampled row) or [logits rows, k] at every logits row."""
+    num_draft_tokens = spec_decode_metadata.num_draft_tokens
     tree_of_row = {t.batch_row: t for t in trees}
     # the learned rows, in batch order, indexed on the host: a few tensor ops per step
     # rather than a few per request
     counts = [tree_of_row[b].tree.tokens.numel() if b in tree_of_row else 1
-              for b in range(batch)]
-    first_logits_row = 0  # ``starts[b]``
-    width = 0 if row_topk is None else row_topk.shape[1]
-    ordered = [tree_of_row[b] for b in range(batch) if b in tree_of_row]
-    plain = [b for b in range(batch) if b not in tree_of_row]
-    rows, topk_rows, plain_at, tree_at = [], [], [], []
+              for b in range(len(num_draft_tokens))]
+    width = 0 if row_topk is None or row_topk.dim() == 2 else row_topk.shape[1]
+    rows, topk_rows, padding = [], [], []
+    first_logits_row = 0
     for b, count in enumerate(counts):
-        (tree_at if b in tree_of_row else plain_at).extend(range(len(rows), len(rows) + count))
+        if b in tree_of_row:  # padding nodes of fixed-shape trees teach nothing
+            padding += [len(rows) + j for j, tag in
+                        enumerate(tree_of_row[b].tree.source.tolist()) if tag == SOURCE_PAD]
         rows.extend(range(first_logits_row, first_logits_row + count))
         topk_rows.extend(range(b * width, b * width + count))
-        first_logits_row += spec_decode_metadata.num_draft_tokens[b] + 1
-    tokens = torch.empty(len(rows), dtype=torch.long, device=device)
-    if plain:
-        logits_rows = spec_decode_metadata.logits_indices[starts[plain]]
-        tokens[plain_at] = runner.input_ids.gpu[logits_rows].long()
-    if ordered:
-        tree_tokens = torch.cat([t.tree.tokens for t in ordered])
-        # padding nodes of fixed-shape trees teach nothing (-1 skips the row)
-        tree_tokens[torch.cat([t.tree.source for t in ordered]) == SOURCE_PAD] = -1
-        tokens[tree_at] = tree_tokens.to(device)
+        first_logits_row += num_draft_tokens[b] + 1
+    every_row = len(rows) == first_logits_row  # each request's logits rows, all learned
+    logits_indices = spec_decode_metadata.logits_indices
+    device = logits_indices.device
+    index = None if every_row else torch.tensor(rows, device=device)
+    tokens = runner.input_ids.gpu[
+        logits_indices if every_row else logits_indices[index]].long()
+    if padding:
+        tokens[torch.tensor(padding, device=tokens.device)] = -1
     known = None
-    if row_topk is not None:
+    if row_topk is not None and row_topk.dim() == 2:
+        known = row_topk if every_row else row_topk[index.to(row_topk.device)]
+    elif row_topk is not None:
         known = row_topk.flatten(0, 1)[torch.tensor(topk_rows, device=row_topk.device)]
-    drafter = runner.drafter
-    partitions = row_partitions(runner, counts)
-    drafter.matrix.update_from_logits_(tokens, logits, torch.tensor(rows, device=device),
-                                       partitions, next_tokens=known)
-
+    runner.drafter.matrix.update_from_logits_(tokens, logits, index, row_partitions(
+        runner, counts), next_tokens=known)

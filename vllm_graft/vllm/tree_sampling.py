@@ -11,6 +11,7 @@ fails. The output keeps vLLM's contract: ``[batch, max_len]`` sampled ids padded
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
@@ -23,8 +24,8 @@ from vllm_graft.core.acceptance import (AcceptanceResult, greedy_chain_walk,
                                         walk_tree)
 from vllm_graft.core.budget import UNKNOWN_SCORE
 from vllm_graft.core.config import StepMode
-from vllm_graft.core.graft import accepted_by_source, count_accepted_sources
-from vllm_graft.core.hybrid import SOURCE_PAD, HybridTree
+from vllm_graft.core.graft import count_accepted_sources
+from vllm_graft.core.hybrid import HybridTree
 from vllm_graft.vllm import matrix_learning
 from vllm_graft.vllm.proposal import last_proposal
 from vllm_graft.vllm.sampling import argmax_is_the_sample, filters_are_plain_sampling
@@ -115,16 +116,17 @@ def sample_contained(runner, logits: torch.Tensor, spec_decode_metadata) -> Samp
 def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> SamplerOutput:
     """Replacement of ``GPUModelRunner._sample`` when Graft is on.
 
-    Walks every request's tree (a bare root for requests without one) with vLLM's own
-    sampler choosing the token at each node: the emitted token at every node is exactly
-    what plain decoding would sample there (every sampling option, the same random
-    stream for seeded requests), and a child is accepted when it carries that token.
-    When that sample is the plain argmax at every row (:func:`argmax_is_the_sample`:
-    a greedy batch with no logit-editing option), one top-k pass over the tree rows'
-    logits gives both the walk (its first column) and the successor matrix's lesson,
-    with no per-level sampler call; a step whose drafts are all chains does that over
-    host lists (:func:`_sample_chains`). vLLM's chain rejection sampler is never used
-    (its CPU path is not lossless in 0.32).
+    Walks every request's tree (a bare root for requests without one; a chain is a tree
+    of width 1) with vLLM's own sampler choosing the token at each node: the emitted
+    token at every node is exactly what plain decoding would sample there (every
+    sampling option, the same random stream for seeded requests), and a child is
+    accepted when it carries that token. When that sample is the plain argmax at every
+    row (:func:`argmax_is_the_sample`: a greedy batch with no logit-editing option), one
+    top-k pass over the tree rows' logits gives both the walk (its first column) and the
+    successor matrix's lesson, with no per-level sampler call; a step whose drafts are
+    all chains walks them over host lists (:func:`_walk_chains_on_host`). Whatever the
+    walk, the step's verification is recorded and taught the same way. vLLM's chain
+    rejection sampler is never used (its CPU path is not lossless in 0.32).
     """
     step: GraftStep = runner._graft_step
     sampling_metadata = runner.input_batch.sampling_metadata
@@ -138,76 +140,53 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
         # patches.takes_plain_path)
         return runner.sampler(logits=logits, sampling_metadata=sampling_metadata)
     stats: GraftStats = runner._graft_stats
-    start = device_clock(logits.device)
-    chains = {t.batch_row: t for t in trees}
-    if (step is None or step.plan is None) and _walks_as_chains(chains, num_draft_tokens) \
-            and argmax_is_the_sample(sampling_metadata):
-        return _sample_chains(runner, logits, spec_decode_metadata, trees, chains, start)
     device = logits.device
-    num_sampled = torch.as_tensor(num_draft_tokens, device=device) + 1
-    starts = torch.cumsum(num_sampled, 0) - num_sampled  # first logits row per request
-    batch = num_sampled.numel()
-    if not trees and proposal.mode is StepMode.PLAIN:
-        # drafts that are not ours (e.g. padding after a resume): one sampler call on
-        # each request's first row, as when no request carried drafts
-        return runner.sampler(logits=logits[starts], sampling_metadata=sampling_metadata)
-    host_tree = _batch_trees(trees, batch)
-    tree = host_tree.to(device)
-    row_topk = None
-    learned = False  # whether the acceptance taught the matrix already
-    fused = runner.drafter.tree_builder.fused is not None  # the compiled ops
+    start = device_clock(device)
     greedy = argmax_is_the_sample(sampling_metadata)
-    if greedy or (fused and filters_are_plain_sampling(sampling_metadata)):
-        rows = starts.unsqueeze(1) + torch.arange(tree.tokens.shape[1], device=device)
-        rows = torch.where(tree.valid, rows, -1)
-        pass_start = device_clock(device)
-        row_topk = runner.drafter.matrix.target_topk(logits, rows.reshape(-1)).view(
-            batch, tree.tokens.shape[1], -1)
-        # plain decoding reads each request's one row too: that share is not Graft's
-        level_zero_seconds = (device_clock(device) - pass_start) * batch \
-            / max(int(host_tree.valid.sum()), 1)
-        if fused:
-            result = _accept_and_learn(runner, tree, host_tree, row_topk,
-                                       spec_decode_metadata, starts, trees,
-                                       None if greedy else (logits, rows, sampling_metadata))
-            learned = True
-        else:
-            # without a tree attention plan every tree of the step is a chain
-            walk = greedy_chain_walk if step is None or step.plan is None else greedy_walk
-            result = walk(tree, row_topk[..., 0])
-        logprobs = None
-        stats.counts["one_pass_verifications" if greedy else "fused_sampled_verifications"] += 1
+    if greedy and (step is None or step.plan is None) \
+            and _walks_as_chains(trees, num_draft_tokens):
+        walk = _walk_chains_on_host(runner, logits, num_draft_tokens, trees)
     else:
-        result, level_zero_seconds, logprobs = _walk_with_sampler(
-            runner, tree, logits, starts, sampling_metadata)
-    output = result.output_tokens
+        num_sampled = torch.as_tensor(num_draft_tokens, device=device) + 1
+        starts = torch.cumsum(num_sampled, 0) - num_sampled  # first logits row per request
+        if not trees and proposal.mode is StepMode.PLAIN:
+            # drafts that are not ours (e.g. padding after a resume): one sampler call on
+            # each request's first row, as when no request carried drafts
+            return runner.sampler(logits=logits[starts], sampling_metadata=sampling_metadata)
+        walk = _walk_trees(runner, logits, spec_decode_metadata, starts, trees, greedy)
     if trees:
-        host = to_host(result)
-        step.result = host
-        move_accepted_kv(runner, step, host)
-        stats.counts["verified_trees"] += len(trees)
-        stats.counts["verified_nodes"] += sum(t.tree.tokens.numel() - 1 for t in trees)
-        for source, n in accepted_by_source(host_tree, host).items():
-            stats.counts[f"accepted_{source}"] += n
-        if runner.drafter.sizer is not None:
-            # the trees were proposed in the mode of the drafter's last proposal
-            runner.drafter.sizer.observe(host_tree, host, mode=proposal.ran)
-        for observer in TREE_OBSERVERS:
-            for t in trees:
-                count = int(host.num_accepted[t.batch_row])
-                observer(t, host.accepted_rows[t.batch_row, :count].tolist())
-    if proposal.mode is not StepMode.PLAIN and not learned:
-        matrix_learning.learn(runner, logits, spec_decode_metadata, starts, trees, row_topk)
+        _record_verification(runner, step, walk, proposal)
+    if proposal.mode is not StepMode.PLAIN and not walk.learned:
+        # the guard's plain mode learns nothing
+        matrix_learning.learn(runner, logits, spec_decode_metadata, trees, walk.row_topk)
     if step is not None and step.plan is not None:
         stats.add_seconds("tree_attention", step.plan.seconds)
-    stats.add_seconds("bookkeeping", device_clock(device) - start - level_zero_seconds)
-    return SamplerOutput(sampled_token_ids=output.to(torch.int32), logprobs_tensors=logprobs)
+    stats.add_seconds("bookkeeping", device_clock(device) - start - walk.level_zero_seconds)
+    return SamplerOutput(sampled_token_ids=walk.result.output_tokens.to(device=device,
+                                                                        dtype=torch.int32),
+                         logprobs_tensors=walk.logprobs)
 
 
-def _walks_as_chains(chains: dict[int, VerifiedTree], num_draft_tokens: list[int]) -> bool:
-    """Whether every request that carries drafts carries one of our chains (``chains``:
-    the step's verified trees by batch row), whole: then its logits rows are the
-    chain's rows, in order, and :func:`_sample_chains` applies."""
+@dataclass
+class _Walk:
+    """One step's acceptance walk over every request's tree."""
+
+    result: AcceptanceResult  # rows follow the persistent batch
+    #: the target's top-k where the walk read it: [B, rows, k] at each request's tree
+    #: rows, or [logits rows, k] at every logits row (None: not read)
+    row_topk: torch.Tensor | None
+    level_zero_seconds: float  # the share plain decoding spends too: not Graft's overhead
+    logprobs: object = None  # vLLM's LogprobsTensors in its spec layout, or None
+    learned: bool = False  # whether the walk taught the matrix already
+    #: the step's trees as one host batch (None: walked as host lists, all chains)
+    host_tree: HybridTree | None = None
+
+
+def _walks_as_chains(trees: list[VerifiedTree], num_draft_tokens: list[int]) -> bool:
+    """Whether every request that carries drafts carries one of our chains (``trees``:
+    the step's verified trees), whole: then its logits rows are the chain's rows, in
+    order, and :func:`_walk_chains_on_host` applies."""
+    chains = {t.batch_row: t for t in trees}
     for row, drafts in enumerate(num_draft_tokens):
         chain = chains.get(row)
         if chain is None and drafts:
@@ -217,67 +196,104 @@ def _walks_as_chains(chains: dict[int, VerifiedTree], num_draft_tokens: list[int
     return True
 
 
-def _sample_chains(runner, logits: torch.Tensor, spec_decode_metadata,
-                   trees: list[VerifiedTree], chains: dict[int, VerifiedTree],
-                   start: float) -> SamplerOutput:
-    """:func:`sample_with_trees` for a greedy step whose drafts are all chains (copy
-    chains, or no drafts at all), walked on the host: one top-k pass over every logits
-    row gives each row's argmax (what plain decoding emits there) and the successor
-    matrix's lesson; each chain is accepted up to its first token that is not the argmax
-    of the row before it. The walk, the acceptance model's lesson and the counts run
-    over Python lists: a chain step's few dozen numbers cost more as tensor operations,
-    each a dispatch on caches the forward has just flushed."""
-    stats: GraftStats = runner._graft_stats
-    drafter = runner.drafter
-    proposal = last_proposal(runner)
+def _walk_chains_on_host(runner, logits: torch.Tensor, num_draft_tokens: list[int],
+                         trees: list[VerifiedTree]) -> _Walk:
+    """The greedy walk of a step whose drafts are all chains (copy chains, or no drafts
+    at all), on the host: one top-k pass over every logits row gives each row's argmax
+    (what plain decoding emits there) and the successor matrix's lesson; each chain is
+    accepted up to its first token that is not the argmax of the row before it. The walk
+    runs over Python lists: a chain step's few dozen numbers cost more as tensor
+    operations, each a dispatch on caches the forward has just flushed."""
     device = logits.device
-    num_draft_tokens = spec_decode_metadata.num_draft_tokens
     pass_start = device_clock(device)
-    row_topk = drafter.matrix.target_topk(logits)  # every logits row is a verified row
+    row_topk = runner.drafter.matrix.target_topk(logits)  # every logits row is a verified row
     best = row_topk[:, 0].tolist()
     # plain decoding reads each request's one row too: that share is not Graft's
     level_zero_seconds = (device_clock(device) - pass_start) * len(num_draft_tokens) \
         / max(len(best), 1)
+    chains = {t.batch_row: t for t in trees}
     drafts = [chains[row].tree.draft_tokens if row in chains else []
               for row in range(len(num_draft_tokens))]
     accepted = greedy_chain_walk_lists(drafts, best)
-    outputs, tags, padding_rows = [], {}, []
+    width = max(num_draft_tokens, default=0) + 1  # the longest chain (vLLM's layout)
+    outputs, accepted_rows = [], []
     first = 0  # each request's first logits row
     for row, count in enumerate(accepted):
-        outputs.append(best[first:first + count + 1])
-        if row in chains:
-            tags[row] = chains[row].tree.source.tolist()
-            padding_rows += [first + j for j, tag in enumerate(tags[row]) if tag == SOURCE_PAD]
+        outputs.append(best[first:first + count + 1] + [-1] * (width - 1 - count))
+        accepted_rows.append(list(range(1, count + 1)) + [-1] * (width - 1 - count))
         first += len(drafts[row]) + 1
-    width = max(num_draft_tokens, default=0) + 1  # the longest chain (vLLM's layout)
-    output = torch.tensor([tokens + [-1] * (width - len(tokens)) for tokens in outputs],
-                          dtype=torch.int32)
-    stats.counts["one_pass_verifications"] += 1
-    if trees:
-        accepted_rows = [list(range(1, count + 1)) + [-1] * (width - 1 - count)
-                         for count in accepted]
-        step: GraftStep = runner._graft_step
-        step.result = AcceptanceResult(
-            accepted_rows=torch.tensor(accepted_rows, dtype=torch.long),
-            output_tokens=output.long(), num_accepted=torch.tensor(accepted))
-        stats.counts["verified_trees"] += len(trees)
-        stats.counts["verified_nodes"] += sum(len(t.tree.draft_tokens) for t in trees)
-        for source, n in count_accepted_sources(
-                [tags[t.batch_row] for t in trees],
-                [accepted_rows[t.batch_row] for t in trees]).items():
-            stats.counts[f"accepted_{source}"] += n
-        if drafter.sizer is not None:
-            drafter.sizer.observe_chains(
-                [(tags[t.batch_row][1:],
-                  None if t.tree.score is None else t.tree.score[1:].tolist(),
-                  accepted[t.batch_row], 0) for t in trees], mode=proposal.ran)
-        for observer in TREE_OBSERVERS:
-            for t in trees:
-                observer(t, accepted_rows[t.batch_row][:accepted[t.batch_row]])
-    if proposal.mode is not StepMode.PLAIN:  # the guard's plain mode learns nothing
-        matrix_learning.learn_every_row(runner, logits, spec_decode_metadata, row_topk, padding_rows)
-    stats.add_seconds("bookkeeping", device_clock(device) - start - level_zero_seconds)
-    return SamplerOutput(sampled_token_ids=output.to(device), logprobs_tensors=None)
+    runner._graft_stats.counts["one_pass_verifications"] += 1
+    result = AcceptanceResult(accepted_rows=torch.tensor(accepted_rows, dtype=torch.long),
+                              output_tokens=torch.tensor(outputs, dtype=torch.long),
+                              num_accepted=torch.tensor(accepted))
+    return _Walk(result, row_topk, level_zero_seconds)
+
+
+def _walk_trees(runner, logits: torch.Tensor, spec_decode_metadata, starts: torch.Tensor,
+                trees: list[VerifiedTree], greedy: bool) -> _Walk:
+    """The walk of every request's tree on the device: from one top-k pass over the tree
+    rows when the sample is the argmax (``greedy``) or the compiled ops sample the batch
+    (the fused walk also teaches the matrix), else level by level with vLLM's sampler."""
+    step: GraftStep | None = runner._graft_step
+    sampling_metadata = runner.input_batch.sampling_metadata
+    device = logits.device
+    batch = starts.numel()
+    host_tree = _batch_trees(trees, batch)
+    tree = host_tree.to(device)
+    fused = runner.drafter.tree_builder.fused is not None  # the compiled ops
+    if not greedy and not (fused and filters_are_plain_sampling(sampling_metadata)):
+        result, level_zero_seconds, logprobs = _walk_with_sampler(
+            runner, tree, logits, starts, sampling_metadata)
+        return _Walk(result, None, level_zero_seconds, logprobs, host_tree=host_tree)
+    rows = starts.unsqueeze(1) + torch.arange(tree.tokens.shape[1], device=device)
+    rows = torch.where(tree.valid, rows, -1)
+    pass_start = device_clock(device)
+    row_topk = runner.drafter.matrix.target_topk(logits, rows.reshape(-1)).view(
+        batch, tree.tokens.shape[1], -1)
+    # plain decoding reads each request's one row too: that share is not Graft's
+    level_zero_seconds = (device_clock(device) - pass_start) * batch \
+        / max(int(host_tree.valid.sum()), 1)
+    if fused:
+        result = _accept_and_learn(runner, tree, host_tree, row_topk, spec_decode_metadata,
+                                   starts, trees,
+                                   None if greedy else (logits, rows, sampling_metadata))
+    else:
+        # without a tree attention plan every tree of the step is a chain
+        walk = greedy_chain_walk if step is None or step.plan is None else greedy_walk
+        result = walk(tree, row_topk[..., 0])
+    runner._graft_stats.counts[
+        "one_pass_verifications" if greedy else "fused_sampled_verifications"] += 1
+    return _Walk(result, row_topk, level_zero_seconds, learned=fused, host_tree=host_tree)
+
+
+def _record_verification(runner, step: GraftStep, walk: _Walk, proposal) -> None:
+    """The step's verified trees after the walk: the host copy of the result
+    (:attr:`GraftStep.result`), the accepted rows' KV moved into place, the counters,
+    the sizer's acceptance model (the trees were proposed in the mode of the drafter's
+    last proposal) and the tree observers."""
+    stats: GraftStats = runner._graft_stats
+    trees = step.trees
+    host = to_host(walk.result)
+    step.result = host
+    move_accepted_kv(runner, step, host)
+    accepted_rows, accepted = host.accepted_rows.tolist(), host.num_accepted.tolist()
+    tags = [t.tree.source.tolist() for t in trees]
+    stats.counts["verified_trees"] += len(trees)
+    stats.counts["verified_nodes"] += sum(len(t.tree.draft_tokens) for t in trees)
+    for source, n in count_accepted_sources(
+            tags, [accepted_rows[t.batch_row] for t in trees]).items():
+        stats.counts[f"accepted_{source}"] += n
+    sizer = runner.drafter.sizer
+    if sizer is not None and walk.host_tree is None:  # chains, walked as host lists
+        sizer.observe_chains([(tree_tags[1:],
+                               None if t.tree.score is None else t.tree.score[1:].tolist(),
+                               accepted[t.batch_row], 0)
+                              for t, tree_tags in zip(trees, tags)], mode=proposal.ran)
+    elif sizer is not None:
+        sizer.observe(walk.host_tree, host, mode=proposal.ran)
+    for observer in TREE_OBSERVERS:
+        for t in trees:
+            observer(t, accepted_rows[t.batch_row][:accepted[t.batch_row]])
 
 
 def _walk_with_sampler(runner, tree: HybridTree, logits: torch.Tensor, starts: torch.Tensor,
