@@ -6,6 +6,8 @@
 * :func:`build_eagle3_head`: a random EAGLE-3 head in the layout vLLM's
   ``LlamaForCausalLMEagle3`` loads (``fc``, ``midlayer.*``, ``norm``, ``lm_head``,
   ``d2t``/``t2d`` for a reduced draft vocabulary).
+* :func:`build_speculators_eagle3_head`: the same head in the speculators format public
+  EAGLE-3 heads are published in (``speculators_config``, ``transformer_layer_config``).
 """
 
 from __future__ import annotations
@@ -80,24 +82,67 @@ def build_eagle3_head(target_dir: str | os.PathLike, out_dir: str | os.PathLike,
                       scale: float = 0.02) -> Path:
     """Random EAGLE-3 head for ``target_dir``; ``draft_ids`` = the reduced draft vocab
     (target ids), default the first half of the vocabulary."""
-    from safetensors.torch import save_file
+    t, layer, ids, aux, weights = _eagle3_head_parts(target_dir, draft_ids, seed, scale)
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], **layer,
+           "draft_vocab_size": len(ids), "target_hidden_size": t["hidden_size"],
+           "torch_dtype": "float32", "bos_token_id": t["bos_token_id"],
+           "eos_token_id": t["eos_token_id"],
+           "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux,
+                            "use_aux_hidden_state": True}}
+    return _save_head(out_dir, cfg, weights)
 
+
+def build_speculators_eagle3_head(target_dir: str | os.PathLike,
+                                  out_dir: str | os.PathLike, *,
+                                  draft_ids: list[int] | None = None, seed: int = 1,
+                                  scale: float = 0.02, speculative_tokens: int = 3,
+                                  speculators_model_type: str = "eagle3") -> Path:
+    """The head :func:`build_eagle3_head` writes (same seed, same weights), saved in the
+    speculators format public EAGLE-3 heads ship in: ``speculators_model_type``, the
+    decoder layer's settings in ``transformer_layer_config``, the verifier and proposal
+    methods in ``speculators_config``; weights under ``layers.0.*`` with the verifier's
+    ``embed_tokens`` beside them. ``speculators_model_type`` other than ``eagle3``
+    writes a malformed head, for tests."""
+    from safetensors.torch import load_file
+
+    t, layer, ids, aux, weights = _eagle3_head_parts(target_dir, draft_ids, seed, scale)
+    weights = {name.replace("midlayer.", "layers.0."): value
+               for name, value in weights.items()}
+    target_weights = load_file(Path(target_dir) / "model.safetensors")
+    weights["embed_tokens.weight"] = target_weights["model.embed_tokens.weight"]
+    cfg = {"architectures": ["Eagle3Speculator"],
+           "speculators_model_type": speculators_model_type,
+           "speculators_version": "0.3.0",
+           "speculators_config": {
+               "algorithm": "eagle3", "default_proposal_method": "greedy",
+               "proposal_methods": [{"proposal_type": "greedy", "accept_tolerance": 0.0,
+                                     "speculative_tokens": speculative_tokens,
+                                     "verifier_accept_k": 1}],
+               "verifier": {"name_or_path": str(target_dir),
+                            "architectures": t["architectures"]}},
+           "transformer_layer_config": {**layer, "attention_bias": False,
+                                        "mlp_bias": False},
+           "draft_vocab_size": len(ids), "norm_before_residual": False,
+           "target_hidden_size": None, "eagle_aux_hidden_state_layer_ids": aux,
+           "torch_dtype": "float32"}
+    return _save_head(out_dir, cfg, weights)
+
+
+def _eagle3_head_parts(target_dir, draft_ids, seed, scale):
+    """(target config, decoder-layer config, draft ids, aux layer ids, weights) of the
+    random EAGLE-3 head both head writers save, weights named as vLLM's
+    ``LlamaForCausalLMEagle3`` loads them."""
     t = json.loads((Path(target_dir) / "config.json").read_text())
     hidden, vocab, inter = t["hidden_size"], t["vocab_size"], t["intermediate_size"]
     heads, kv_heads, head_dim = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
     layers = t["num_hidden_layers"]
     ids = draft_ids if draft_ids is not None else list(range(vocab // 2))
     aux = [1, layers // 2, layers - 1]
-    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
-           "hidden_size": hidden, "intermediate_size": inter, "num_attention_heads": heads,
-           "num_key_value_heads": kv_heads, "head_dim": head_dim, "num_hidden_layers": 1,
-           "vocab_size": vocab, "draft_vocab_size": len(ids), "target_hidden_size": hidden,
-           "rms_norm_eps": 1e-6, "max_position_embeddings": t["max_position_embeddings"],
-           "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
-           "torch_dtype": "float32", "bos_token_id": t["bos_token_id"],
-           "eos_token_id": t["eos_token_id"],
-           "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux,
-                            "use_aux_hidden_state": True}}
+    layer = {"model_type": "llama", "hidden_size": hidden, "intermediate_size": inter,
+             "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+             "head_dim": head_dim, "num_hidden_layers": 1, "vocab_size": vocab,
+             "rms_norm_eps": 1e-6, "max_position_embeddings": t["max_position_embeddings"],
+             "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False}
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape):
@@ -120,6 +165,12 @@ def build_eagle3_head(target_dir: str | os.PathLike, out_dir: str | os.PathLike,
         "d2t": torch.tensor([tid - i for i, tid in enumerate(ids)], dtype=torch.long),
         "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, torch.tensor(ids), True),
     }
+    return t, layer, ids, aux, weights
+
+
+def _save_head(out_dir, cfg: dict, weights: dict) -> Path:
+    from safetensors.torch import save_file
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(weights, out / "model.safetensors")
@@ -134,8 +185,6 @@ def build_dflash_drafter(target_dir: str | os.PathLike, out_dir: str | os.PathLi
     the target's fused hidden states, ``fc`` + ``hidden_norm``; embeddings and LM head
     shared with the target). Its layers attend causally (``dflash_config.causal``), the
     attention vLLM's CPU backend provides; the mask token is the tokenizer's pad."""
-    from safetensors.torch import save_file
-
     t = json.loads((Path(target_dir) / "config.json").read_text())
     hidden, vocab, inter = t["hidden_size"], t["vocab_size"], t["intermediate_size"]
     heads, kv_heads, head_dim = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
@@ -173,8 +222,4 @@ def build_dflash_drafter(target_dir: str | os.PathLike, out_dir: str | os.PathLi
             p + "mlp.up_proj.weight": rand(inter, hidden),
             p + "mlp.down_proj.weight": rand(hidden, inter),
         })
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(weights, out / "model.safetensors")
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    return out
+    return _save_head(out_dir, cfg, weights)

@@ -124,6 +124,12 @@ def translate_speculative_config(spec: dict[str, Any], *, target_model: str | No
         raise GraftConfigError(
             "speculative_config.model: Graft needs the path of an EAGLE-3 head "
             "(or of a draft model with graft.drafter = 'draft_model')")
+    check_speculators_head(spec["model"], config.drafter)
+    if config.thresholds is not None and config.calibration is not None:
+        _warn_once(f"speculative_config.graft: both thresholds {list(config.thresholds)} and "
+                   f"calibration {config.calibration!r} are set; the thresholds win and the "
+                   f"calibration file only seeds budget auto's acceptance odds. Remove "
+                   f"thresholds to use the calibrated ones.")
     tokens = spec.get("num_speculative_tokens")
     if tokens is not None and tokens != config.budget:
         raise GraftConfigError(
@@ -157,6 +163,37 @@ def translate_speculative_config(spec: dict[str, Any], *, target_model: str | No
     spec.update(method=VLLM_METHOD_OF_DRAFTER[config.drafter],
                 num_speculative_tokens=config.budget)
     return spec, settings
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    logger.warning(message)
+
+
+#: the speculators-format model types that load as each ``graft.drafter``
+SPECULATORS_TYPES_OF_DRAFTER = {"eagle3": ("eagle3",)}
+
+
+def check_speculators_head(model: str, drafter: str) -> None:
+    """A local head in the speculators format (a ``config.json`` with
+    ``speculators_config``, as public EAGLE-3 heads ship) loads unchanged through vLLM's
+    own reader; one of a model type that is not the drafter's is refused here, naming the
+    file and key, rather than deep inside vLLM's loader. Hub IDs are left to vLLM."""
+    path = Path(model).expanduser() / "config.json"
+    if not path.is_file():
+        return
+    try:
+        head = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise GraftConfigError(f"speculative_config.model: {str(path)!r}: {err}") from None
+    if not isinstance(head, dict) or head.get("speculators_config") is None:
+        return
+    kind = head.get("speculators_model_type")
+    allowed = SPECULATORS_TYPES_OF_DRAFTER.get(drafter, ())
+    if kind not in allowed:
+        raise GraftConfigError(
+            f"speculative_config.model: {str(path)!r}: speculators_model_type {kind!r} is not "
+            f"a head graft.drafter {drafter!r} can use (expected one of {list(allowed)})")
 
 
 def _local_fingerprint(model: str | None) -> str | None:
