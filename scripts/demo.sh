@@ -17,7 +17,8 @@ if [ "${DEMO:-real}" = tiny ]; then
   MODELS=.cache/demo-models
   .venv/bin/python scripts/make_tiny_models.py "$MODELS" >/dev/null
   exec .venv/bin/vllm-graft generate "$MODELS/target" --dtype float32 \
-    --speculative-config "$MODELS/graft.json" --compare --show-sources --max-tokens 64 "$@"
+    --speculative-config "$MODELS/graft.json" --compare --show-sources --one-at-a-time \
+    --max-tokens 64 "$@"
 fi
 TARGET=$(.venv/bin/vllm-graft prepare-models --models smollm2-135m | sed -n 's/^smollm2-135m: //p')
 HEAD=$(pwd)/assets/heads/smollm2-135m-eagle3
@@ -27,4 +28,5 @@ SPEC="{\"method\": \"graft\", \"model\": \"$HEAD\", \"graft\": {\"calibration\":
 # float32: these CPUs lack AVX-512, so bf16 would be emulated (slow); answers end at the
 # end-of-sequence token (--ignore-eos would generate max-tokens tokens each)
 exec .venv/bin/vllm-graft generate "$TARGET" --dtype float32 --chat --compare --show-sources \
+  --one-at-a-time \
   --speculative-config "$SPEC" --max-tokens 128 "$@"

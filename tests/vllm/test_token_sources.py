@@ -104,3 +104,23 @@ def test_a_prompts_file_keeps_every_character_and_decodes_escapes(tmp_path):
     path = tmp_path / "prompts.txt"
     path.write_text("Résumé 你好 “quoted”\\nnext line\n\n\\ttab \\u00e9\n", encoding="utf-8")
     assert load_prompts(str(path)) == ["Résumé 你好 “quoted”\nnext line", "\ttab é"]
+
+
+def test_generate_times_the_prompts_one_at_a_time_too(tiny_models, tmp_path):
+    """--one-at-a-time decodes each prompt alone after the batched run, in both engines:
+    its tokens are plain decoding's (a mismatch makes greedy_identical false) and its
+    speed is reported beside the batched one."""
+    from vllm_graft.cli import generate
+
+    out = tmp_path / "report.json"
+    code = generate.main([str(tiny_models.target), "--speculative-config",
+                          json.dumps(graft_spec(tiny_models.head, budget=16)),
+                          "--dtype", "float32", "--max-tokens", "16", "--ignore-eos",
+                          "--max-model-len", "512", "--compare", "--one-at-a-time",
+                          "--json", str(out), "--log-file", str(tmp_path / "engine.log")])
+    report = json.loads(out.read_text())
+    assert code == 0 and report["greedy_identical"] is True
+    alone = report["graft"]["one_at_a_time"]
+    assert alone["tokens_per_s"] > 0 and alone["mean_accepted_tokens"] >= 1
+    assert report["plain"]["one_at_a_time"]["tokens_per_s"] > 0
+    assert report["speedup_one_at_a_time"] > 0

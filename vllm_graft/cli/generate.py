@@ -82,6 +82,9 @@ def build_parser():
                    help="generate --max-tokens tokens even past the end of an answer "
                         "(equal lengths for timing runs)")
     p.add_argument("--compare", action="store_true", help="also run without speculation")
+    p.add_argument("--one-at-a-time", action="store_true",
+                   help="also time the prompts one request at a time (the latency use of "
+                   "speculation), after the run of all of them together")
     p.add_argument("--show-sources", action="store_true",
                    help="colour every answer token by where it came from")
     p.add_argument("--show-tree", action="store_true",
@@ -143,10 +146,13 @@ def run(model, spec, prompts, args, record: bool = False) -> dict:
         records = llm.collective_rpc(take_tree_records)[0] if record else []
         tokenizer = llm.get_tokenizer()
         metrics = counter_delta(counters(llm), before)
+        alone = one_at_a_time(llm, prompts, params, args.chat) if args.one_at_a_time else None
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     result = {"tokens": tokens, "seconds": elapsed, "metrics": metrics,
               "tokens_per_s": sum(len(t) for t in tokens) / elapsed,
               "pieces": [text_pieces(tokenizer, t) for t in tokens]}
+    if alone is not None:
+        result["one_at_a_time"] = alone
     if record:
         result["records"] = records
         by_request = records_by_request(records)
@@ -156,6 +162,20 @@ def run(model, spec, prompts, args, record: bool = False) -> dict:
         result["trees"] = [tree_to_draw(by_request.get(o.request_id, []), tokenizer)
                            for o in outputs]
     return result
+
+
+def one_at_a_time(llm, prompts: list[str], params, chat: bool) -> dict:
+    """The prompts again, each alone in the engine: tokens/s and MAT of a single
+    request's decoding, and its tokens (a request's own output does not depend on the
+    batch in fp32 greedy decoding, so they must equal the batched run's)."""
+    before = counters(llm)
+    start = time.perf_counter()
+    outputs = [generate_all(llm, [prompt], params, chat)[0] for prompt in prompts]
+    elapsed = time.perf_counter() - start
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    return {"tokens": tokens, "seconds": elapsed,
+            "tokens_per_s": sum(len(t) for t in tokens) / elapsed,
+            "metrics": counter_delta(counters(llm), before)}
 
 
 def generate_all(llm, prompts: list[str], params, chat: bool) -> list:
@@ -193,6 +213,11 @@ def summary(result: dict) -> dict:
     modes = {mode: m.get(f"graft_guard_{mode}_steps") or 0 for mode in ("tree", "chain", "plain")}
     if any(modes.values()):  # budget "auto": the steps the throughput guard ran in each mode
         out["steps_by_mode"] = modes
+    alone = result.get("one_at_a_time")
+    if alone is not None:
+        out["one_at_a_time"] = {key: value for key, value in summary(alone).items()
+                                if key in ("tokens_per_s", "mean_accepted_tokens",
+                                           "steps_by_mode")}
     return out
 
 
@@ -210,8 +235,13 @@ def build_report(prompts, graft: dict, plain: dict | None, args) -> dict:
     if plain is not None:
         report["plain"] = summary(plain)
         report["speedup"] = round(graft["tokens_per_s"] / plain["tokens_per_s"], 3)
+        if "one_at_a_time" in graft and "one_at_a_time" in plain:
+            report["speedup_one_at_a_time"] = round(
+                graft["one_at_a_time"]["tokens_per_s"] / plain["one_at_a_time"]["tokens_per_s"], 3)
         if args.temperature == 0:
-            report["greedy_identical"] = graft["tokens"] == plain["tokens"]
+            runs = [graft, plain] + [r["one_at_a_time"] for r in (graft, plain)
+                                     if "one_at_a_time" in r]
+            report["greedy_identical"] = all(r["tokens"] == plain["tokens"] for r in runs)
     sources = graft.get("sources") or [None] * len(prompts)
     report["outputs"] = [
         {"prompt": prompt, "tokens": tokens, "pieces": pieces,

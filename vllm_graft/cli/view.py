@@ -101,6 +101,14 @@ def comparison_table(report: dict) -> Table | Group:
     if modes:
         rows.append(("steps: tree / chain / plain",
                      " / ".join(str(modes[m]) for m in ("tree", "chain", "plain")), "-"))
+    alone = graft.get("one_at_a_time")
+    if alone is not None:
+        plain_alone = (plain or {}).get("one_at_a_time") or {}
+        rows += [("one at a time: tokens/s", _fmt(alone["tokens_per_s"], "{:.1f}"),
+                  _fmt(plain_alone.get("tokens_per_s"), "{:.1f}")),
+                 ("one at a time: MAT", _fmt(alone.get("mean_accepted_tokens")), "1.00"),
+                 ("one at a time: speedup",
+                  _fmt(report.get("speedup_one_at_a_time"), "{:.2f}x"), "1.00x")]
     if "greedy_identical" in report:
         rows.append(("greedy output identical",
                      "yes" if report["greedy_identical"] else "NO", "reference"))
