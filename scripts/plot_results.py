@@ -3,7 +3,7 @@
     .venv/bin/python scripts/plot_results.py [--out docs/images]
 
 ``speedup_by_batch.png``: budget auto's tokens/s over plain decoding at batch 1, 8 and 32
-(the batch sweeps ``smollm2-135m-b{1,8,32}-preparation-charge``, with vLLM's ngram and
+(the batch sweeps ``smollm2-135m-sweep/b{1,8,32}``, with vLLM's ngram and
 EAGLE-3 chain at batch 1 and its one-token chain at batch 8) and the plain-vs-plain band
 of the same runs. ``tokens_per_step_by_source.png``: Graft's tree with and without
 context copies per dataset (``smollm2-135m-context``)."""
@@ -21,8 +21,8 @@ sys.path.insert(0, str(REPO))
 from vllm_graft.bench.figures import plot_sources, plot_speedup  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
-SPEED_RUNS = ("smollm2-135m-b8-eagle3-one-token", "smollm2-135m-b1-preparation-charge",
-              "smollm2-135m-b8-preparation-charge", "smollm2-135m-b32-preparation-charge")
+SPEED_RUNS = ("smollm2-135m-b8-eagle3-one-token", "smollm2-135m-sweep/b1",
+              "smollm2-135m-sweep/b8", "smollm2-135m-sweep/b32")
 SOURCE_RUN = "smollm2-135m-context"
 
 
