@@ -151,3 +151,31 @@ def code_edit(limit: int = 10, min_lines: int = 12, max_lines: int = 40) -> list
         if len(prompts) == limit:
             break
     return prompts
+
+
+COPY_FILE = Path(__file__).resolve().parents[2] / "assets" / "datasets" / "copy.jsonl"
+COPY_KINDS = ("copy_rename", "copy_typehints", "copy_spelling", "copy_reformat", "copy_rag",
+              "copy_agent")
+
+
+def copy_prompts(kind: str, limit: int = 7, path: Path = COPY_FILE) -> list[Prompt]:
+    """The copy benchmark's prompts of one ``kind`` (``COPY_KINDS``), in file order: chat
+    prompts whose answers repeat much of the prompt (``scripts/make_copy_dataset.py``
+    writes the file)."""
+    if kind not in COPY_KINDS:
+        raise ValueError(f"unknown copy dataset {kind!r}: one of {', '.join(COPY_KINDS)}")
+    if not path.is_file():
+        raise FileNotFoundError(f"copy dataset file {path} is missing: write it with "
+                                "python scripts/make_copy_dataset.py")
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if record["kind"] == kind:
+                prompts.append(Prompt(record["prompt"], True, kind))
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise ValueError(f"{path}:{number}: not a copy-dataset record with 'kind' "
+                             f"and 'prompt' ({error})") from error
+    return prompts[:limit]

@@ -82,6 +82,11 @@ def methods(budget: int, chain_tokens: int = 5, dflash_block: int = 8) -> dict[s
                                           "prompt_lookup_min": 2,
                                           "num_speculative_tokens": chain_tokens},
                         note="vLLM's prompt lookup"),
+        "ngram_long": Method("ngram_long", "vllm", {"method": "ngram", "prompt_lookup_max": 5,
+                                                    "prompt_lookup_min": 3,
+                                                    "num_speculative_tokens": chain_tokens * 2},
+                             note=f"vLLM's prompt lookup for copies: matches of 3-5 tokens, "
+                                  f"{chain_tokens * 2} tokens"),
         "suffix": Method("suffix", "vllm", {"method": "suffix",
                                             "num_speculative_tokens": chain_tokens * 4},
                          note="vLLM's suffix decoding (arctic-inference)"),

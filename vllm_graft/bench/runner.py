@@ -37,6 +37,8 @@ def load_dataset(name: str, tokenizer, cache_dir: Path, limit: int) -> list[data
         return datasets.gsm8k(cache_dir, limit)
     if name == "code-edit":
         return datasets.code_edit(limit)
+    if name in datasets.COPY_KINDS:
+        return datasets.copy_prompts(name, limit)
     kind, _, size = name.partition("-")
     tokens = int(size.rstrip("k")) * 1024
     if kind == "essays":
@@ -176,7 +178,8 @@ def run_bench(config: BenchConfig) -> dict:
     chosen = []
     for name in config.methods:
         if name == "suffix" and not suffix_available():
-            notes.append("suffix: skipped, arctic-inference is not installed")
+            notes.append("suffix: skipped, arctic-inference is not installed "
+                         "(scripts/install_suffix_decoding.sh installs it)")
             continue
         if name in DFLASH_METHODS and config.dflash is None:
             notes.append(f"{name}: skipped, no DFlash drafter for this target")

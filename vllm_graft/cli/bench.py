@@ -16,17 +16,19 @@ import shlex
 import sys
 from pathlib import Path
 
+from vllm_graft.assets.datasets import COPY_KINDS
 from vllm_graft.assets.models import MODELS, prepare_model
 from vllm_graft.assets.pypi import default_cache_dir
 from vllm_graft.bench.config import DFLASH_METHODS, config_default
 from vllm_graft.cli.common import add_num_prompts, command_parser
 from vllm_graft.offline.engine import cpu_runtime_defaults, drafter_graft_keys
 
-ALL_METHODS = ["plain", "eagle3", "ngram", "suffix", "dense_tree", "prune_only",
-               "retrieval_only", "graft_no_context", "graft", "graft_chain", "graft_auto",
-               "graft_tree", "tail", "tail_auto", "dflash", "tail_dflash", "graft_plain",
-               "plain_again"]
-DIAGNOSTIC_METHODS = ["graft_plain", "graft_tree", "plain_again"]  # run when named only
+ALL_METHODS = ["plain", "eagle3", "ngram", "ngram_long", "suffix", "dense_tree",
+               "prune_only", "retrieval_only", "graft_no_context", "graft", "graft_chain",
+               "graft_auto", "graft_tree", "tail", "tail_auto", "dflash", "tail_dflash",
+               "graft_plain", "plain_again"]
+# run when named only
+DIAGNOSTIC_METHODS = ["ngram_long", "graft_plain", "graft_tree", "plain_again"]
 ALL_DATASETS = ["humaneval", "mtbench", "gsm8k", "code-edit", "essays-4k", "code-4k", "code-8k",
                 "code-16k"]
 COMMITTED_HEADS = Path(__file__).resolve().parents[2] / "assets" / "heads"
@@ -73,7 +75,9 @@ def build_parser():
     p.add_argument("--methods", nargs="+", choices=ALL_METHODS, metavar="METHOD",
                    default=[m for m in ALL_METHODS if m not in DIAGNOSTIC_METHODS],
                    help=f"methods to compare, of: {' '.join(ALL_METHODS)}")
-    p.add_argument("--datasets", nargs="+", default=ALL_DATASETS, help="datasets to run")
+    p.add_argument("--datasets", nargs="+", default=ALL_DATASETS,
+                   help="datasets to run; the copy benchmark, run when named, is one "
+                   f"dataset a kind: {' '.join(COPY_KINDS)}")
     add_num_prompts(p, config_default("prompts"), "prompts per dataset")
     p.add_argument("--max-tokens", type=int, default=config_default("max_tokens"),
                    help="tokens generated per prompt")
