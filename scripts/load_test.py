@@ -398,6 +398,7 @@ def load_phase(base: str, model: str, server_pid: int, prompts: list[dict], dura
     threads.append(threading.Thread(target=disconnecting_client, args=(
         base, model, prompts[::-1], deadline, run, lock, tenant["disconnect"])))
     for t in threads:
+        t.daemon = True  # a stopped run (SIGTERM) does not wait for its clients
         t.start()
     for t in threads[1:]:
         t.join()
@@ -792,6 +793,8 @@ def main(argv=None) -> int:
         return 0
     if args.reference_only and args.reference is None:
         p.error("--reference-only needs --reference")
+    # SIGTERM unwinds through each server's stop (a server runs in a session of its own)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         streams = scaled_streams(args.clients)
     except ValueError as err:

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.vllm.conftest import server_env
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "load_test.py"
@@ -25,13 +27,19 @@ def test_a_short_load_compares_every_answer_and_drains(tiny_models, tmp_path):
     prompts.write_text("".join(json.dumps({"prompt": p, "output_tokens": 24}) + "\n"
                                for p in PROMPTS))
     out, reference = tmp_path / "out", tmp_path / "reference.json"
-    result = subprocess.run(
+    run = subprocess.Popen(
         [sys.executable, str(SCRIPT), "--model", str(tiny_models.target), "--head",
          str(tiny_models.head), "--warmup", "none", "--calibration", "none", "--prompts",
          str(prompts), "--soak", "--methods", "graft", "--duration", "20", "--clients", "8",
          "--tenants", "2", "--reference", str(reference), "--out", str(out)],
-        env=server_env(), capture_output=True, text=True, timeout=1800)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+        env=server_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = run.communicate(timeout=1800)
+    except subprocess.TimeoutExpired:
+        run.terminate()  # the script stops the servers it started
+        output, _ = run.communicate(timeout=180)
+        pytest.fail(f"the load test did not finish in 30 minutes: {output[-3000:]}")
+    assert run.returncode == 0, output[-4000:]
     [graft] = json.loads((out / "load.json").read_text())["methods"]
     assert graft["method"] == "graft" and graft["failed"] == 0
     assert graft["deterministic_answers"] > 0
