@@ -4,8 +4,8 @@ import random
 import pytest
 import torch
 
-from vllm_graft.core.context import (DEPTH_DECAY, SHARED_DISCOUNT, ContextIndex,
-                                     ContextProposal, RecentOutputsIndex,
+from vllm_graft.core.context import (DEPTH_DECAY, SHARED_DISCOUNT, SPAN_LOOKBACK,
+                                     ContextIndex, ContextProposal, RecentOutputsIndex,
                                      proposals_to_tensors)
 
 
@@ -46,12 +46,16 @@ def _reference_proposal(context, min_ngram, max_ngram, max_nodes, max_depth, max
     length = len(context)
     matches, taken = [], set()
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        found = []
         for end in range(length - 2, n - 2, -1):
             if ends is not None and end not in ends:
                 continue
             if end not in taken and context[end - n + 1:end + 1] == context[length - n:]:
                 taken.add(end)
-                matches.append((n, tuple(context[end + 1:end + 1 + max_depth])))
+                found.append(end)
+        if n == max_ngram:  # the longest n-gram's occurrences: by how far back they match
+            found.sort(key=lambda end: -_matched_back(context, end))
+        matches += [(n, tuple(context[end + 1:end + 1 + max_depth])) for end in found]
     matches = matches[:max_matches]
     if not matches or max_nodes == 0 or max_depth == 0:
         return ContextProposal.empty()
@@ -69,6 +73,16 @@ def _reference_proposal(context, min_ngram, max_ngram, max_nodes, max_depth, max
                            depths=[len(p) for p in kept],
                            weights=[weight[p] for p in kept],
                            match_length=max(n for n, _ in matches))
+
+
+def _matched_back(context, end) -> int:
+    """Brute force: how many tokens up to ``end`` equal the context's last ones, at most
+    SPAN_LOOKBACK."""
+    n = 0
+    while (n < SPAN_LOOKBACK and end - n >= 0
+           and context[end - n] == context[len(context) - 1 - n]):
+        n += 1
+    return n
 
 
 def _random_context(rng: random.Random, length: int, vocab: int) -> list[int]:
@@ -174,6 +188,30 @@ def test_max_nodes_keeps_the_heaviest_prefix_closed_nodes():
         assert cut.tokens == full.tokens[:max_nodes]
         assert cut.parents == full.parents[:max_nodes]
         _check_tree(cut)
+
+
+def test_a_copied_span_is_followed_past_a_more_recent_repeat_of_its_tail():
+    """Copying a line whose last ``max_ngram`` tokens recur later in the prompt with
+    another continuation (a repeated fragment of code or data), the copy goes on with
+    the line being copied, as suffix decoding's pointer does: the occurrence that
+    matches furthest back wins over the most recent one (issue 52, item 4)."""
+    line = [11, 12, 13, 14, 15, 16, 17, 18, 19]
+    prompt = line + [100] + [1, 2, 3] + [0, 16, 17, 18, 19, 200] + [4, 5]
+    index = _index(prompt + line, max_ngram=4)
+    assert index.best_match(3) == (4, [100, 1, 2])
+    assert index.propose(max_nodes=3, max_depth=3, max_matches=2, lead_nodes=3).tokens \
+        == [100, 1, 2]
+    # the answer copies on: still the line's continuation, never the repeat's
+    index.extend([100, 1])
+    assert index.best_match(2)[1] == [2, 3]
+
+
+def test_the_span_rule_looks_back_a_bounded_way():
+    """Two occurrences that both match further back than SPAN_LOOKBACK tie, and the
+    most recent wins (a lookup's work stays bounded)."""
+    span = [7 + (i % 5) * 3 + i // 5 for i in range(SPAN_LOOKBACK + 4)]
+    context = span + [100] + span + [200] + span
+    assert _index(context, max_ngram=4).best_match(1) == (4, [200])
 
 
 # ---- properties on random contexts ------------------------------------------------------

@@ -35,6 +35,14 @@ word pairs) spreads the nodes over short branches, and the tree may hold less of
 best single continuation than prompt lookup would verify. ``lead_nodes`` keeps the
 first ``lead_nodes`` tokens of the first match (the longest, most recent one, i.e.
 prompt lookup's own chain) before any other node, so the tree contains that chain.
+
+Spans. Occurrences that match the longest n-gram (``max_ngram`` tokens) are ranked by
+how far back they really match (up to :data:`SPAN_LOOKBACK` tokens), then by recency.
+A span being copied is the occurrence matching as far back as the copy goes, so it
+keeps being proposed step after step; ranking by recency alone jumped to the most
+recent occurrence of the last ``max_ngram`` tokens, in code and data with repeated
+lines often another line than the one being copied. The rule reads the text only, so
+a proposal never depends on earlier calls.
 """
 
 from __future__ import annotations
@@ -51,6 +59,9 @@ import torch
 DEPTH_DECAY = 0.9
 #: Weight factor of a match found in another request's output.
 SHARED_DISCOUNT = 0.5
+#: Tokens an occurrence of the longest n-gram is followed back to rank it (module
+#: docstring, Spans): a bound on the work of a lookup, far past any n-gram length.
+SPAN_LOOKBACK = 64
 #: Match lengths above the shortest matched that :func:`match_score` tells apart.
 MATCH_SCORE_STEPS = 3
 
@@ -434,13 +445,17 @@ class ContextIndex(_NgramIndex):
             self._low = self._high
 
     def _own_matches(self, max_matches: int, max_depth: int) -> tuple[list[_Match], int]:
-        """Earlier occurrences of the suffix, longest first, then most recent first."""
+        """Earlier occurrences of the suffix, longest first, then most recent first
+        (those of ``max_ngram`` tokens by how far back they match: module docstring)."""
         context, length = self._tokens, len(self._tokens)
         matches: list[_Match] = []
         taken: set[int] = set()
         longest = 0
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
-            for end in reversed(self._table.lookup(context, n)):
+            ends = list(reversed(self._table.lookup(context, n)))
+            if n == self.max_ngram and len(ends) > 1:
+                ends.sort(key=lambda end: -run_length(context, end, n))  # stable: recency
+            for end in ends:
                 # end == length - 1 is the suffix itself: nothing follows it yet
                 if end >= length - 1 or end in taken:
                     continue
@@ -501,6 +516,15 @@ class ContextIndex(_NgramIndex):
         if not matches:
             return ContextProposal.empty()
         return _best_subtree(matches, max_nodes, depth_decay, longest, lead_nodes)
+
+
+def run_length(context: Sequence[int], end: int, known: int = 0) -> int:
+    """How many tokens up to position ``end`` equal the last ones of ``context`` (at
+    most :data:`SPAN_LOOKBACK`), ``known`` of them known to already."""
+    last, n = len(context) - 1, known
+    while n < SPAN_LOOKBACK and end - n >= 0 and context[end - n] == context[last - n]:
+        n += 1
+    return n
 
 
 def _best_subtree(matches: list[_Match], max_nodes: int, depth_decay: float,
