@@ -1026,29 +1026,63 @@ def test_where_plain_decoding_is_fastest_exploring_costs_about_one_percent(seed)
 
 
 def run_scouted(guard, scout, chain_rate: float, predicted_rate: float, steps: int,
-                batch: int = 32, chain_step: float = 1.9):
-    """Batch-32 steps with a guard and (unless None) a chain scout: a plain step takes 1 s
-    and emits ``batch`` tokens, a chain step ``chain_step`` s at ``chain_rate`` times
-    plain's rate; the sizer predicts chains at ``predicted_rate`` times plain's rate.
-    Returns the modes run and the tokens per second achieved."""
+                batch: int = 32, chain_step: float = 1.9, tree_rate: float = 1.0,
+                tree_step: float = 2.5):
+    """Batch-32 steps with a guard and (unless None) a chain scout, as the runner's
+    drafting hook runs them: a plain step takes 1 s and emits ``batch`` tokens, a chain
+    step ``chain_step`` s at ``chain_rate`` times plain's rate, a tree step (where the
+    guard has trees) ``tree_step`` s at ``tree_rate`` times; the sizer predicts chains at
+    ``predicted_rate`` times plain's rate. Returns the modes run and the tokens per
+    second achieved."""
     from vllm_graft.core.config import StepMode
 
     modes, tokens, seconds = [], 0.0, 0.0
+    rates = {StepMode.CHAIN: chain_rate, StepMode.TREE: tree_rate, StepMode.PLAIN: 1.0}
+    spans = {StepMode.CHAIN: chain_step, StepMode.TREE: tree_step, StepMode.PLAIN: 1.0}
     for _ in range(steps):
         mode = guard.choose(batch)
         predicted = predicted_rate * batch * chain_step  # tokens in chain_step seconds
-        if (mode is StepMode.PLAIN and not guard.measuring and scout is not None
-                and scout.due() and scout.promising(
-                    predicted, chain_step * 1e3, guard.rate_of(batch, StepMode.PLAIN))):
+        if (scout is not None and scout.looks_at(guard, mode)
+                and scout.promising(predicted, chain_step * 1e3, guard.rate_of(batch, mode))):
             mode = StepMode.CHAIN
-        spent = chain_step if mode is StepMode.CHAIN else 1.0
-        emitted = chain_rate * batch * spent if mode is StepMode.CHAIN else batch
+        spent = spans[mode]
+        emitted = rates[mode] * batch * spent if mode is not StepMode.PLAIN else batch
         guard.observe(mode, batch, tokens=round(emitted), seconds=spent)
         if mode is StepMode.CHAIN and scout is not None:
             scout.observe(predicted, chain_step * 1e3, round(emitted), spent)
         modes.append(mode)
         tokens, seconds = tokens + emitted, seconds + spent
     return modes, tokens / seconds
+
+
+@pytest.mark.parametrize("scouting", [True, False])
+def test_the_chain_scout_finds_copies_where_the_guard_verifies_trees(scouting):
+    """Batch 8: a warm-up on chat, where trees run at 1.25x plain's rate and chains at
+    0.9x, then copy-heavy requests, where trees (their copied nodes behind the drafter's
+    forwards) run at 2x and chains at 3x. The guard prefers trees and decodes plainly
+    only to refresh plain's rate (steps it measures, which no look replaces), so a scout
+    that looks only at plain steps never sees the copies, and the guard's own chain
+    probes wait for the old record; a scout that also looks at tree steps runs chains
+    from the first steps (issue 52: on the copy benchmark, Graft verified trees at every
+    step and never looked at chains, where prompt lookup's bare chains ran faster)."""
+    from vllm_graft.core.budget import ChainScout, ThroughputGuard
+    from vllm_graft.core.config import StepMode
+
+    chain, tree, batch = StepMode.CHAIN, StepMode.TREE, 8
+    guard = ThroughputGuard(modes=(tree, chain, StepMode.PLAIN))
+    scout = ChainScout() if scouting else None
+    run_scouted(guard, scout, chain_rate=0.9, predicted_rate=1.2, steps=200, batch=batch,
+                chain_step=1.2, tree_rate=1.25, tree_step=2.0)
+    assert guard.preferred(batch) is tree
+    if scout is not None:
+        scout.text_changed(joined=batch, batch=batch)  # the copy requests join
+    copies, rate = run_scouted(guard, scout, chain_rate=3.0, predicted_rate=3.0, steps=64,
+                               batch=batch, chain_step=1.2, tree_rate=2.0, tree_step=2.0)
+    if not scouting:
+        assert copies.count(chain) == 0 and rate < 2.1 * batch, (copies, rate / batch)
+        return
+    assert copies[:2].count(chain) >= 1 and copies.count(chain) >= 56, copies
+    assert rate > 2.7 * batch, rate / batch
 
 
 def test_a_chain_step_is_predicted_as_the_guard_will_credit_it():
@@ -1186,34 +1220,34 @@ def test_chain_scout_looks_every_few_plain_steps_and_at_each_while_chains_promis
     scout = ChainScout(every=4, margin=0.1, max_every=16)
     assert looks(8) == [4, 8]
     assert scout.correction() == 1.0  # nothing measured yet
-    assert not scout.promising(30.0, 1000.0, plain_rate=None)  # plain not measured yet
-    assert not scout.promising(32.0, 1000.0, plain_rate=30.0)  # 1.07x: within the margin
+    assert not scout.promising(30.0, 1000.0, rate=None)  # plain not measured yet
+    assert not scout.promising(32.0, 1000.0, rate=30.0)  # 1.07x: within the margin
     assert looks(16) == [16]  # two looks found nothing: 16 steps to the next
-    assert scout.promising(34.0, 1000.0, plain_rate=30.0)
+    assert scout.promising(34.0, 1000.0, rate=30.0)
     assert looks(3) == [1, 2, 3]  # looks at every plain step
     scout.observe(34.0, 1000.0, tokens=17, seconds=2.0)  # half the tokens in twice the time
     # with two prior steps that fared as predicted: 85 / 102 tokens, 3 / 4 of the time
     assert scout.correction() == pytest.approx(0.625)
-    assert not scout.promising(34.0, 1000.0, plain_rate=30.0)
+    assert not scout.promising(34.0, 1000.0, rate=30.0)
     assert looks(8) == [8]  # back to every 4, doubled by this look
     for _ in range(3):
-        scout.promising(34.0, 1000.0, plain_rate=30.0)
+        scout.promising(34.0, 1000.0, rate=30.0)
     assert looks(32) == [16, 32]  # never more than max_every apart
     scout.text_changed(joined=1, batch=4)
     assert looks(4) == [4]
-    scout.promising(34.0, 1000.0, plain_rate=30.0)
+    scout.promising(34.0, 1000.0, rate=30.0)
     scout.text_changed(joined=2, batch=4)  # half the batch is new
     assert looks(1) == [1]
-    assert not scout.promising(34.0, 1000.0, plain_rate=30.0)
+    assert not scout.promising(34.0, 1000.0, rate=30.0)
     assert looks(2) == [2]
-    assert scout.promising(60.0, 1000.0, plain_rate=30.0)  # looks at every step...
+    assert scout.promising(60.0, 1000.0, rate=30.0)  # looks at every step...
     assert looks(2) == [1, 2]
-    assert not scout.promising(34.0, 1000.0, plain_rate=30.0)
+    assert not scout.promising(34.0, 1000.0, rate=30.0)
     assert looks(4) == [4]  # ...and backs off from where it was, not from every
-    assert scout.promising(60.0, 1000.0, plain_rate=30.0)  # fires, 4 steps apart...
+    assert scout.promising(60.0, 1000.0, rate=30.0)  # fires, 4 steps apart...
     scout.fired_step(gained=True)
     assert looks(1) == [1]  # ...its step gained: the next plain step is looked at
-    assert scout.promising(60.0, 1000.0, plain_rate=30.0)
+    assert scout.promising(60.0, 1000.0, rate=30.0)
     scout.fired_step(gained=False)  # a step that gained nothing: as a look that did
     assert looks(8) == [8]  # not promise, twice the 4 steps it fired at
     scout.fired_step(gained=False)  # nothing fired since: the looks stay as they are
@@ -1237,7 +1271,7 @@ def test_the_chain_scout_looks_at_a_new_batchs_first_steps():
 
     scout = ChainScout(every=8, max_every=64)
     for _ in range(6):  # a batch of chat before: looks far apart
-        scout.promising(10.0, 1000.0, plain_rate=30.0)
+        scout.promising(10.0, 1000.0, rate=30.0)
     assert scout.interval == 64
     scout.text_changed(joined=8, batch=8)
     looked = []
@@ -1245,7 +1279,7 @@ def test_the_chain_scout_looks_at_a_new_batchs_first_steps():
         if scout.due():
             looked.append(step)
             copying = 6 <= step <= 8  # the signature's copies: 2x plain decoding's rate
-            scout.promising(60.0 if copying else 10.0, 1000.0, plain_rate=30.0)
+            scout.promising(60.0 if copying else 10.0, 1000.0, rate=30.0)
     assert looked == [1, 3, 7, 8, 9, 17, 33], looked
 
 
@@ -1259,7 +1293,7 @@ def test_one_chain_step_does_not_silence_the_chain_scout():
     from vllm_graft.core.budget import ChainScout
 
     warm_up_probe = dict(expected_tokens=13.5, step_ms=34.0, tokens=8.0, seconds=0.0478)
-    copies = dict(expected_tokens=53.1, step_ms=76.1, plain_rate=282.8)
+    copies = dict(expected_tokens=53.1, step_ms=76.1, rate=282.8)
     alone = ChainScout(prior_steps=0.0)
     alone.observe(**warm_up_probe)
     assert alone.correction() == pytest.approx(0.42, abs=0.005)

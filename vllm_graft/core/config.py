@@ -370,12 +370,12 @@ class GraftConfig(BaseModel):
         3, ge=0, le=64, description="successor-matrix tokens a copy chain may add after its "
         "copied part (all of it when the context has no match)")
     chain_scout_every: int = Field(
-        8, ge=0, le=1024, description="while the throughput guard decodes plainly, plain "
-        "steps between two looks at the copy chains the batch's contexts offer; a chain "
-        "step runs when they promise to beat plain decoding; each look that finds nothing "
-        "doubles the steps to the next, up to 8 times this, until a request joins the "
-        "batch; a batch at least half new is looked at on its plain steps 1, 3, 7, ... "
-        "(0: never look)")
+        8, ge=0, le=1024, description="while the throughput guard decodes plainly or "
+        "verifies trees, such steps between two looks at the copy chains the batch's "
+        "contexts offer; a chain step runs when they promise to beat the guard's choice; "
+        "each look that finds nothing doubles the steps to the next, up to 8 times this, "
+        "until a request joins the batch; a batch at least half new is looked at on its "
+        "steps 1, 3, 7, ... (0: never look)")
     guard: GuardConfig = Field(
         default_factory=GuardConfig, description="the throughput guard's tuning: how it "
         "measures the modes and chooses among them")

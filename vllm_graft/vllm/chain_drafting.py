@@ -101,11 +101,12 @@ class ChainDrafting:
         if shadow is not None and shadow.root == len(self.context_indexes[req_id].tokens) - 1:
             shadow.verified = nodes
 
-    def scout_chains(self, runner, settled: list[SettledRows], plain_rate: float | None,
+    def scout_chains(self, runner, settled: list[SettledRows], rate: float | None,
                      proposal: StepProposal) -> bool:
-        """Whether this step, which the guard would decode plainly, should verify copy
-        chains instead (:class:`vllm_graft.core.budget.ChainScout`); the chains built to
-        decide go into ``proposal`` for :meth:`_propose_chains`."""
+        """Whether this step, which the guard would decode plainly or with trees (measured
+        at ``rate``), should verify copy chains instead
+        (:class:`vllm_graft.core.budget.ChainScout`); the chains built to decide go into
+        ``proposal`` for :meth:`_propose_chains`."""
         proposal.scouted = None
         drafting = [i for i, s in enumerate(settled) if s.drafts and self.may_draft(
             runner.requests[runner.input_batch.req_ids[s.batch_row]],
@@ -115,7 +116,7 @@ class ChainDrafting:
         chains, choice, trials = self._build_chains(runner, settled, drafting)
         proposal.shadow_trials += trials
         if not self.scout.promising(self.predicted_credit(choice, len(settled)),
-                                    choice.step_ms, plain_rate):
+                                    choice.step_ms, rate):
             return False
         proposal.scouted = (settled, [settled[i].batch_row for i in drafting], chains, choice)
         return True

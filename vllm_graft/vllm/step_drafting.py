@@ -132,11 +132,10 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
                 proposer.scout.text_changed(joined, len(requests))
         reach = proposer.guard.within_reach(len(requests), StepMode.TREE)
         mode = proposer.guard.choose(len(requests), proposer.unavailable_modes(states, reach))
-        if (mode is StepMode.PLAIN and not proposer.guard.measuring
-                and proposer.scout is not None and proposer.scout.due()):
+        if proposer.scout is not None and proposer.scout.looks_at(proposer.guard, mode):
             stats.counts["chain_scout_looks"] += 1
             if proposer.scout_chains(runner, read_settled(), proposer.guard.rate_of(
-                    len(requests), StepMode.PLAIN), proposal):
+                    len(requests), mode), proposal):
                 mode = StepMode.CHAIN
                 proposal.scout_fired = True
                 stats.counts["chain_scout_steps"] += 1

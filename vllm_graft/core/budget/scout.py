@@ -1,9 +1,10 @@
-"""The chain scout: while the guard decodes plainly, a look now and then at the copy
-chains the batch's contexts offer (:class:`ChainScout`)."""
+"""The chain scout: while the guard decodes plainly or verifies trees, a look now and
+then at the copy chains the batch's contexts offer (:class:`ChainScout`)."""
 
 from __future__ import annotations
 
-from vllm_graft.core.budget.guard import mostly_new
+from vllm_graft.core.budget.guard import ThroughputGuard, mostly_new
+from vllm_graft.core.config import StepMode
 
 
 def copied_prefix(proposed, emitted) -> int:
@@ -23,18 +24,22 @@ def copied_prefix(proposed, emitted) -> int:
 
 
 class ChainScout:
-    """While the throughput guard decodes plainly, a look now and then at the copy chains
-    the batch's contexts offer, and a chain step when they promise to beat plain decoding.
+    """While the throughput guard decodes plainly or verifies trees, a look now and then
+    at the copy chains the batch's contexts offer, and a chain step when they promise to
+    beat the mode the guard chose.
 
     A look builds and sizes the chains the step could verify; they promise when their
     predicted rate (the sizer's tokens over the cost model's ms, times
-    :meth:`correction`) beats plain decoding's measured rate by ``margin``. Looks come
-    at the plain steps the guard prefers (never at one it chose to measure), every
-    ``every`` of them; each look that does not promise doubles the wait, up to
+    :meth:`correction`) beats the chosen mode's measured rate by ``margin``. Looks come
+    at the plain and tree steps the guard prefers (never at one it chose to measure),
+    every ``every`` of them; each look that does not promise doubles the wait, up to
     ``max_every``; a promising look or a joining request brings it back to ``every``,
-    and a batch at least half new is looked at from its first plain step (steps 1, 3,
+    and a batch at least half new is looked at from its first such step (steps 1, 3,
     7, ...). Why: docs/design-log.md#chain-scout.
     """
+
+    #: the guard's modes a chain step may replace: those dearer than a chain
+    REPLACES = (StepMode.PLAIN, StepMode.TREE)
 
     def __init__(self, every: int = 8, margin: float = 0.05, window: float = 50.0,
                  max_every: int | None = None, prior_steps: float = 2.0):
@@ -50,16 +55,23 @@ class ChainScout:
         self.weight = 0.0
         self.predicted_tokens = self.tokens = 0.0
         self.predicted_ms = self.measured_ms = 0.0
-        self.plain_steps = 0  # plain steps since the last look
+        self.steps_since_look = 0  # plain and tree steps since the last look
         self.interval = every  # plain steps from one look to the next
         self.promised = False  # the last look found chains worth a step
         self.unpromised_interval = every  # where that look would have left the interval
 
+    def looks_at(self, guard: ThroughputGuard, mode: StepMode) -> bool:
+        """Whether to look at this step, which ``guard`` chose to run in ``mode``: a
+        plain or tree step it prefers (not one it measures) when a look is :meth:`due`.
+        The look compares the chains with ``guard.rate_of(batch, mode)``."""
+        return mode in self.REPLACES and not guard.measuring and self.due()
+
     def due(self) -> bool:
-        """Called once per step the guard decodes plainly: whether to look this step."""
-        self.plain_steps += 1
-        if self.promised or self.plain_steps >= self.interval:
-            self.plain_steps = 0
+        """Called once per plain or tree step the guard prefers: whether to look this
+        step."""
+        self.steps_since_look += 1
+        if self.promised or self.steps_since_look >= self.interval:
+            self.steps_since_look = 0
             return True
         return False
 
@@ -68,7 +80,7 @@ class ChainScout:
         ``every`` plain steps again, or, where at least half the batch is new, at the
         next plain step and back off from there."""
         if mostly_new(joined, batch):
-            self.interval, self.plain_steps = 1, 0
+            self.interval, self.steps_since_look = 1, 0
         else:
             self.interval = min(self.interval, self.every)
 
@@ -86,16 +98,17 @@ class ChainScout:
         return tokens * ms
 
     def promising(self, expected_tokens: float, step_ms: float,
-                  plain_rate: float | None) -> bool:
+                  rate: float | None) -> bool:
         """Whether a chain step predicted to emit ``expected_tokens`` in ``step_ms`` beats
-        ``plain_rate`` (tokens per second, measured) by the margin once corrected. The
+        ``rate`` (tokens per second, measured of the mode the guard chose) by the margin
+        once corrected. The
         prediction is counted as the guard will credit the step (the runner passes the
         guard's :meth:`ThroughputGuard.credited_tokens` of each request's prediction)."""
-        if plain_rate is None or step_ms <= 0:
+        if rate is None or step_ms <= 0:
             self.promised = False
         else:
-            rate = 1e3 * expected_tokens / step_ms * self.correction()
-            self.promised = rate >= (1.0 + self.margin) * plain_rate
+            chain_rate = 1e3 * expected_tokens / step_ms * self.correction()
+            self.promised = chain_rate >= (1.0 + self.margin) * rate
         self.unpromised_interval = min(2 * self.interval, self.max_every)
         self.interval = min(self.interval, self.every) if self.promised \
             else self.unpromised_interval
