@@ -364,7 +364,7 @@ class GraftConfig(BaseModel):
         description="the modes the throughput guard chooses among, each step the one "
         "measured fastest (a single mode: always that one)")
     chain_tokens: int = Field(
-        8, ge=1, le=64, description="longest copy chain of the guard's chain mode "
+        16, ge=1, le=64, description="longest copy chain of the guard's chain mode "
         "(copied context continued by the successor matrix, no drafter forward)")
     chain_walk: int = Field(
         3, ge=0, le=64, description="successor-matrix tokens a copy chain may add after its "
