@@ -452,9 +452,9 @@ class ContextIndex(_NgramIndex):
         taken: set[int] = set()
         longest = 0
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
-            ends = list(reversed(self._table.lookup(context, n)))
-            if n == self.max_ngram and len(ends) > 1:
-                ends.sort(key=lambda end: -run_length(context, end, n))  # stable: recency
+            found = self._table.lookup(context, n)  # oldest first
+            ends = sorted(reversed(found), key=lambda end: -run_length(context, end, n)) \
+                if n == self.max_ngram and len(found) > 1 else reversed(found)  # stable
             for end in ends:
                 # end == length - 1 is the suffix itself: nothing follows it yet
                 if end >= length - 1 or end in taken:
