@@ -56,7 +56,7 @@ class ChainScout:
         self.predicted_tokens = self.tokens = 0.0
         self.predicted_ms = self.measured_ms = 0.0
         self.steps_since_look = 0  # plain and tree steps since the last look
-        self.interval = every  # plain steps from one look to the next
+        self.interval = every  # plain and tree steps from one look to the next
         self.promised = False  # the last look found chains worth a step
         self.unpromised_interval = every  # where that look would have left the interval
 
@@ -77,8 +77,8 @@ class ChainScout:
 
     def text_changed(self, joined: int, batch: int) -> None:
         """``joined`` of the ``batch`` requests of the coming steps are new: look every
-        ``every`` plain steps again, or, where at least half the batch is new, at the
-        next plain step and back off from there."""
+        ``every`` plain or tree steps again, or, where at least half the batch is new,
+        at the next such step and back off from there."""
         if mostly_new(joined, batch):
             self.interval, self.steps_since_look = 1, 0
         else:
