@@ -208,9 +208,11 @@ def test_a_copied_span_is_followed_past_a_more_recent_repeat_of_its_tail():
 
 def test_the_span_rule_looks_back_a_bounded_way():
     """Two occurrences that both match further back than SPAN_LOOKBACK tie, and the
-    most recent wins (a lookup's work stays bounded)."""
+    most recent wins (a lookup's work stays bounded): the older one matches 3 tokens
+    further back still, which a lookup without the bound would prefer."""
     span = [7 + (i % 5) * 3 + i // 5 for i in range(SPAN_LOOKBACK + 4)]
-    context = span + [100] + span + [200] + span
+    lead = [1, 2, 3]
+    context = lead + span + [100] + [4, 5, 6] + span + [200] + lead + span
     assert _index(context, max_ngram=4).best_match(1) == (4, [200])
 
 
