@@ -2,7 +2,7 @@
 
     python scripts/make_copy_dataset.py [--out assets/datasets/copy.jsonl]
 
-Six kinds, seven prompts each, one JSON object a line (``kind``, ``id``, ``source``,
+Six kinds, eight prompts each, one JSON object a line (``kind``, ``id``, ``source``,
 ``prompt``); each kind is a dataset of ``vllm-graft bench --datasets``:
 
 - ``copy_rename``: rename an identifier through a span of a module, return it whole
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from vllm_graft.assets.datasets import COPY_FILE, COPY_KINDS
 
-PER_KIND = 7
+PER_KIND = 8
 MIN_CHARS, MAX_CHARS = 1200, 3200  # about 300-900 tokens of SmolLM2's tokenizer
 SYNONYMS = {"result": "outcome", "data": "payload", "name": "label", "value": "item",
             "path": "file_path", "line": "row", "text": "content", "args": "arguments",

@@ -43,7 +43,7 @@ def test_the_committed_file_is_the_generators(generated):
 def test_each_kind_loads_as_a_dataset_of_chat_prompts():
     for kind in COPY_KINDS:
         prompts = copy_prompts(kind)
-        assert len(prompts) == 7
+        assert len(prompts) == 8
         assert all(p.chat and p.source == kind and p.text for p in prompts)
     assert [p.text for p in copy_prompts("copy_rag", 2)] == \
         [p.text for p in copy_prompts("copy_rag")[:2]]

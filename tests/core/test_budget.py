@@ -12,7 +12,8 @@ import torch
 
 from vllm_graft.core.acceptance import SamplingBatch, accept_tree
 from vllm_graft.core.budget import (SOURCE_NAMES, AcceptanceModel, CostModel, TreeSizer,
-                                    choose_nodes, path_probability)
+                                    ThroughputGuard, choose_nodes, path_probability)
+from vllm_graft.core.budget.scout import fired_step_gained
 from vllm_graft.core.config import StepMode
 from vllm_graft.core.hybrid import (SOURCE_BOTH, SOURCE_CONTEXT, SOURCE_DRAFT, SOURCE_RETRIEVED,
                                     HybridTree, trim_tree)
@@ -1258,6 +1259,22 @@ def test_chain_scout_looks_every_few_plain_steps_and_at_each_while_chains_promis
         ChainScout(every=8, max_every=4)
     with pytest.raises(ValueError, match="prior_steps"):
         ChainScout(prior_steps=-1.0)
+
+
+def test_a_fired_chain_step_that_replaced_trees_gains_only_by_beating_their_rate():
+    """A chain step fired in place of a tree step gained only where it beat the trees'
+    measured rate: trees emit several tokens a request too, so two tokens a request
+    at a tree step's time is a loss there, though it is a gain over a plain step."""
+    guard = ThroughputGuard(modes=(StepMode.TREE, StepMode.CHAIN, StepMode.PLAIN))
+    for _ in range(4):  # trees: 3 tokens a request in 0.1 s at batch 2 (charged a bit)
+        guard.observe(StepMode.TREE, 2, 6.0, 0.1)
+    assert 40.0 < guard.rate_of(2, StepMode.TREE) <= 60.0
+    assert fired_step_gained(guard, StepMode.PLAIN, 2, 4.0, 0.1)
+    assert not fired_step_gained(guard, StepMode.TREE, 2, 4.0, 0.1)  # 40 tokens/s
+    assert fired_step_gained(guard, StepMode.TREE, 2, 4.0, 0.05)  # 80 tokens/s
+    assert not fired_step_gained(guard, StepMode.PLAIN, 2, 2.0, 0.01)  # one a request
+    # trees not measured at this batch: judged as against plain decoding
+    assert fired_step_gained(guard, StepMode.TREE, 8, 16.0, 1.0)
 
 
 def test_the_chain_scout_looks_at_a_new_batchs_first_steps():

@@ -384,8 +384,11 @@ def keep_plain_fastest(worker, trust_the_scout: bool) -> None:
     # (full runs saw the guard pick 1 and 13 chain steps of its own)
     guard = ThroughputGuard(modes=(StepMode.CHAIN, StepMode.PLAIN), probe_share=1e-12,
                             scout_new_batches=False, text_steps=1e9)
+    # a token per 1,000 s: at one a second, plain steps stalled past a second at a
+    # batch size (a busy CPU) would make chains the fastest mode there (a run beside
+    # other jobs saw one chain step that was not the scout's)
     for bucket in (1, 2, 4, 8):
-        guard.stats[(bucket, StepMode.CHAIN)] = _ModeStats(1e6, 1e6, 1e6, 1e6)
+        guard.stats[(bucket, StepMode.CHAIN)] = _ModeStats(1e6, 1e6, 1e6, 1e9)
         guard.measured[(bucket, StepMode.CHAIN)] = 1
     drafter.guard = guard
     drafter.scout = ChainScout(every=1, margin=0.0 if trust_the_scout else 1e9,

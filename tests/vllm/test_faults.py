@@ -7,16 +7,12 @@ steps in a row Graft turns itself off and the engine decodes plainly."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
-import time
-from pathlib import Path
 
 import pytest
 
 from tests.vllm.conftest import graft_spec, running_llm, server_env, spec_metrics
-from tests.vllm.test_serve import _free_port, _get, _open_stream, _post, _read_stream_chunks
+from tests.vllm.served import ServedModel, http_get, http_post, open_stream, read_stream_chunks
 from vllm_graft.vllm.faults import INJECT_ENV
 
 PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the nth Fibonacci number.\"\"\"\n",
@@ -106,27 +102,9 @@ def test_the_server_serves_through_faults_under_streaming_load(tiny_models, plai
     config = tmp_path / "graft.json"
     config.write_text(json.dumps(graft_spec(tiny_models.head, budget=60,
                                             max_consecutive_errors=10**6)))
-    port = _free_port()
-    env = server_env(**{INJECT_ENV: "rate=0.2,seed=3"})
-    log = open(tmp_path / "serve.log", "w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "vllm_graft.cli.main", "serve", str(tiny_models.target),
-         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-         "--max-model-len", "512", "--enforce-eager", "--max-num-seqs", "8",
-         "--speculative-config", str(config)],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 240
-        while True:
-            assert server.poll() is None, Path(tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                if _get(f"{base}/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.time() < deadline, "server not ready in 240 s"
-            time.sleep(0.5)
+    with ServedModel(tiny_models.target, tmp_path / "serve.log", config, "--max-num-seqs", "8",
+                     env=server_env(**{INJECT_ENV: "rate=0.2,seed=3"})) as server:
+        base = server.base
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(tiny_models.target))
@@ -135,10 +113,10 @@ def test_the_server_serves_through_faults_under_streaming_load(tiny_models, plai
 
         def client(index: int) -> None:
             prompt = PROMPTS[index % len(PROMPTS)]
-            stream = _open_stream(f"{base}/v1/completions", {
+            stream = open_stream(f"{base}/v1/completions", {
                 "model": str(tiny_models.target), "prompt": prompt, "temperature": 0,
                 "max_tokens": MAX_TOKENS, "ignore_eos": True})
-            answers[index] = "".join(_read_stream_chunks(stream))
+            answers[index] = "".join(read_stream_chunks(stream))
 
         for _ in range(2):
             threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
@@ -150,20 +128,12 @@ def test_the_server_serves_through_faults_under_streaming_load(tiny_models, plai
             for index, text in answers.items():
                 assert text == expected[index % len(PROMPTS)], (index, text)
             answers.clear()
-        assert _get(f"{base}/health")[0] == 200
-        _, metrics = _get(f"{base}/metrics")
+        assert http_get(f"{base}/health")[0] == 200
+        _, metrics = http_get(f"{base}/metrics")
         errors = [float(line.split()[-1]) for line in metrics.splitlines()
                   if line.startswith("vllm:graft_errors_total")]
         assert errors and errors[0] > 0, errors
-        reply = _post(f"{base}/v1/completions", {
+        reply = http_post(f"{base}/v1/completions", {
             "model": str(tiny_models.target), "prompt": PROMPTS[0], "temperature": 0,
             "max_tokens": MAX_TOKENS, "ignore_eos": True})
         assert reply["choices"][0]["text"] == expected[0]
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        log.close()

@@ -7,78 +7,24 @@ with seeds. A real ``vllm-graft serve`` beside a plain one, on 127.0.0.1."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
-import urllib.error
-from pathlib import Path
 
 import pytest
 
-from tests.vllm.conftest import graft_spec, server_env
-from tests.vllm.test_serve import _free_port, _get, _post
+from tests.vllm.conftest import graft_spec
+from tests.vllm.served import ServedModel
 
 MAX_MODEL_LEN = 256
-
-
-class Server:
-    """A ``vllm-graft serve`` of the tiny target (plain without ``spec``)."""
-
-    def __init__(self, model: Path, spec: dict | None, workdir: Path):
-        self.port = _free_port()
-        self.model = str(model)
-        args = [sys.executable, "-m", "vllm_graft.cli.main", "serve", self.model,
-                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-                "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--seed", "0"]
-        if spec is not None:
-            config = workdir / "graft.json"
-            config.write_text(json.dumps(spec))
-            args += ["--speculative-config", str(config)]
-        self.log_path = workdir / ("graft.log" if spec else "plain.log")
-        self.log = open(self.log_path, "w")
-        self.process = subprocess.Popen(
-            args, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-            env=server_env())
-        self.base = f"http://127.0.0.1:{self.port}"
-
-    def wait_ready(self, timeout: float = 240) -> None:
-        deadline = time.time() + timeout
-        while True:
-            assert self.process.poll() is None, self.log_path.read_text()[-3000:]
-            try:
-                if _get(f"{self.base}/health")[0] == 200:
-                    return
-            except OSError:
-                pass
-            assert time.time() < deadline, "server not ready"
-            time.sleep(0.5)
-
-    def complete(self, **body) -> tuple[int, dict | str]:
-        try:
-            return 200, _post(f"{self.base}/v1/completions", {"model": self.model, **body})
-        except urllib.error.HTTPError as error:
-            return error.code, error.read().decode()
-
-    def alive(self) -> bool:
-        return self.process.poll() is None and _get(f"{self.base}/health")[0] == 200
-
-    def stop(self) -> None:
-        os.kill(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-        self.log.close()
 
 
 @pytest.fixture(scope="module")
 def servers(tiny_models, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("servers")
-    plain = Server(tiny_models.target, None, workdir)
-    graft = Server(tiny_models.target, graft_spec(tiny_models.head, budget=60), workdir)
+    config = workdir / "graft.json"
+    config.write_text(json.dumps(graft_spec(tiny_models.head, budget=60)))
+    plain = ServedModel(tiny_models.target, workdir / "plain.log", None, "--seed", "0",
+                        max_model_len=MAX_MODEL_LEN)
+    graft = ServedModel(tiny_models.target, workdir / "graft.log", config, "--seed", "0",
+                        max_model_len=MAX_MODEL_LEN)
     try:
         plain.wait_ready()
         graft.wait_ready()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,16 +17,11 @@ import pytest
 
 from tests.vllm.conftest import greedy_token_ids, running_llm, spec_metrics
 from tests.vllm.ray_placement import DEVICE_KEY
+from tests.vllm.served import free_port
 from tests.vllm.test_tensor_parallel import MAX_TOKENS, PROMPTS, trees_seen
 
 ray = pytest.importorskip("ray")
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -41,7 +35,7 @@ def ray_cluster(monkeypatch):
     monkeypatch.setenv("VLLM_GRAFT_CACHE", str(graft_cache))
     ray_cli = shutil.which("ray", path=str(Path(sys.executable).parent))
     assert ray_cli, "the ray command is missing: scripts/setup.sh installs ray"
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     subprocess.run([ray_cli, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
                     "--num-cpus=2", "--num-gpus=2", "--include-dashboard=false",

@@ -5,7 +5,6 @@ native EAGLE-3 layout draft."""
 
 from __future__ import annotations
 
-import json
 import logging
 
 import pytest

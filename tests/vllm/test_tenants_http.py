@@ -18,18 +18,13 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 import urllib.request
 from itertools import accumulate
 
 import pytest
 
-from tests.vllm.conftest import graft_spec, server_env
-from tests.vllm.test_serve import _free_port, _get
+from tests.vllm.conftest import graft_spec
+from tests.vllm.served import ServedModel
 
 HEADER = "X-Graft-Tenant"
 SOURCES = [f"header:{HEADER}", "user"]
@@ -49,37 +44,9 @@ def server(request, tiny_models, tmp_path_factory):
     config = tmp / "graft.json"
     config.write_text(json.dumps(graft_spec(tiny_models.head, budget=16,
                                             isolation={"tenant_source": source})))
-    port = _free_port()
-    env = server_env()
-    log_path = tmp / "serve.log"
-    log = open(log_path, "w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "vllm_graft.cli.main", "serve", str(tiny_models.target),
-         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-         "--max-model-len", "512", "--enforce-eager", "--max-num-seqs", "4",
-         "--speculative-config", str(config)],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 240
-        while True:
-            assert process.poll() is None, log_path.read_text()[-3000:]
-            try:
-                if _get(f"{base}/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.time() < deadline, "server not ready in 240 s"
-            time.sleep(0.5)
-        yield base, str(tiny_models.target), source
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        log.close()
+    with ServedModel(tiny_models.target, tmp / "serve.log", config,
+                     "--max-num-seqs", "4") as server:
+        yield server.base, str(tiny_models.target), source
 
 
 def naming(source: str, tenant: str) -> dict:

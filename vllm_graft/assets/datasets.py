@@ -158,7 +158,7 @@ COPY_KINDS = ("copy_rename", "copy_typehints", "copy_spelling", "copy_reformat",
               "copy_agent")
 
 
-def copy_prompts(kind: str, limit: int = 7, path: Path = COPY_FILE) -> list[Prompt]:
+def copy_prompts(kind: str, limit: int = 8, path: Path = COPY_FILE) -> list[Prompt]:
     """The copy benchmark's prompts of one ``kind`` (``COPY_KINDS``), in file order: chat
     prompts whose answers repeat much of the prompt (``scripts/make_copy_dataset.py``
     writes the file)."""

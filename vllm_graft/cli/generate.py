@@ -139,18 +139,12 @@ def run(model, spec, prompts, args, record: bool = False) -> dict:
             llm.reset_prefix_cache()
         if record:
             llm.collective_rpc(start_tree_recording)
-        before = counters(llm)
-        start = time.perf_counter()
-        outputs = generate_all(llm, prompts, params, args.chat)
-        elapsed = time.perf_counter() - start
+        outputs, result = timed_generation(llm, [prompts], params, args.chat)
         records = llm.collective_rpc(take_tree_records)[0] if record else []
         tokenizer = llm.get_tokenizer()
-        metrics = counter_delta(counters(llm), before)
         alone = one_at_a_time(llm, prompts, params, args.chat) if args.one_at_a_time else None
-    tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    result = {"tokens": tokens, "seconds": elapsed, "metrics": metrics,
-              "tokens_per_s": sum(len(t) for t in tokens) / elapsed,
-              "pieces": [text_pieces(tokenizer, t) for t in tokens]}
+    tokens = result["tokens"]
+    result["pieces"] = [text_pieces(tokenizer, t) for t in tokens]
     if alone is not None:
         result["one_at_a_time"] = alone
     if record:
@@ -168,14 +162,20 @@ def one_at_a_time(llm, prompts: list[str], params, chat: bool) -> dict:
     """The prompts again, each alone in the engine: tokens/s and MAT of a single
     request's decoding, and its tokens (a request's own output does not depend on the
     batch in fp32 greedy decoding, so they must equal the batched run's)."""
+    return timed_generation(llm, [[prompt] for prompt in prompts], params, chat)[1]
+
+
+def timed_generation(llm, batches: list[list[str]], params, chat: bool) -> tuple[list, dict]:
+    """``batches`` of prompts one after another: their outputs, and the run's tokens,
+    seconds, tokens/s and the engine's counters over it."""
     before = counters(llm)
     start = time.perf_counter()
-    outputs = [generate_all(llm, [prompt], params, chat)[0] for prompt in prompts]
+    outputs = [output for batch in batches for output in generate_all(llm, batch, params, chat)]
     elapsed = time.perf_counter() - start
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    return {"tokens": tokens, "seconds": elapsed,
-            "tokens_per_s": sum(len(t) for t in tokens) / elapsed,
-            "metrics": counter_delta(counters(llm), before)}
+    return outputs, {"tokens": tokens, "seconds": elapsed,
+                     "tokens_per_s": sum(len(t) for t in tokens) / elapsed,
+                     "metrics": counter_delta(counters(llm), before)}
 
 
 def generate_all(llm, prompts: list[str], params, chat: bool) -> list:

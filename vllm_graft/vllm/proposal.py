@@ -26,7 +26,8 @@ class StepProposal:
         a guard: every step drafts trees); trees_in_reach: whether trees are still
         worth preparing for at this batch size (the guard's word; requests seen for the
         first time are followed by the drafter only then)
-    scout_fired: the chain scout turned this plain step into a chain step
+    scout_replaced: the mode the chain scout turned into a chain step this round (a
+        plain or a tree step the guard chose), None: the scout fired no step
     ran: what the proposals really were: a tree or chain round in which no request
         drafted is plain decoding, and is timed as such
     drafts: each persistent-batch row's draft tokens, for the scheduler
@@ -40,7 +41,7 @@ class StepProposal:
 
     mode: StepMode = StepMode.TREE
     trees_in_reach: bool = True
-    scout_fired: bool = False
+    scout_replaced: StepMode | None = None
     ran: StepMode = StepMode.PLAIN
     drafts: list[list[int]] = field(default_factory=list)
     build: BuildStats | None = None

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from vllm_graft.core.budget.scout import fired_step_gained
 from vllm_graft.core.config import StepMode
 from vllm_graft.vllm.draft_records import SettledRows
 from vllm_graft.vllm.proposal import StepProposal, last_proposal
@@ -136,8 +137,7 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
             stats.counts["chain_scout_looks"] += 1
             if proposer.scout_chains(runner, read_settled(), proposer.guard.rate_of(
                     len(requests), mode), proposal):
-                mode = StepMode.CHAIN
-                proposal.scout_fired = True
+                proposal.scout_replaced, mode = mode, StepMode.CHAIN
                 stats.counts["chain_scout_steps"] += 1
         proposal.mode, proposal.trees_in_reach = agree((mode, reach))
         # from the agreed reach: ranks that disagreed on it must still all feed the
@@ -242,10 +242,12 @@ def _observe_step(runner, scheduler_output, settled: list[SettledRows] | None,
             # the scout's correction learns how the sizer's predictions, credited as the
             # guard credits a step, fare as the guard counts them (a batch's chain step
             # charged, a stall capped)
+            counted = guard.counted_seconds(mode, batch, seconds)
             proposer.scout.observe(proposer.predicted_credit(choice, batch), choice.step_ms,
-                                   credited, guard.counted_seconds(mode, batch, seconds))
-            if measured.scout_fired:
-                proposer.scout.fired_step(gained=credited > batch)
+                                   credited, counted)
+            if measured.scout_replaced is not None:
+                proposer.scout.fired_step(gained=fired_step_gained(
+                    guard, measured.scout_replaced, batch, credited, counted))
         guard.observe(mode, batch, credited, seconds)
     if forward_ms is not None:
         nodes = max(scheduler_output.total_num_scheduled_tokens - batch, 0)

@@ -23,6 +23,21 @@ def copied_prefix(proposed, emitted) -> int:
     return matched
 
 
+def fired_step_gained(guard: ThroughputGuard, replaced: StepMode, batch: int, credited: float,
+                      seconds: float) -> bool:
+    """Whether a chain step the scout fired in place of a ``replaced`` step gained: one
+    replacing a tree step beat the trees' measured rate at ``batch`` (they emit several
+    tokens a request too, so more than one token a request is no gain over them); one
+    replacing a plain step emitted more than plain decoding would have, one token a
+    request (``credited``: the guard's credit of the step, ``seconds``: as it counts
+    them)."""
+    if replaced is StepMode.TREE and seconds > 0:
+        rate = guard.rate_of(batch, StepMode.TREE)
+        if rate is not None:
+            return credited / seconds > rate
+    return credited > batch
+
+
 class ChainScout:
     """While the throughput guard decodes plainly or verifies trees, a look now and then
     at the copy chains the batch's contexts offer, and a chain step when they promise to
