@@ -114,6 +114,48 @@ def test_llm_refuses_a_corrupt_calibration_at_startup(tiny_models, tmp_path):
             speculative_config=graft_spec(tiny_models.head, calibration=str(bad)))
 
 
+def test_a_calibration_is_checked_against_a_hub_id_served_from_the_cache(tmp_path,
+                                                                         monkeypatch, caplog):
+    """A server of a Hub ID checks the calibration's fingerprint against the ID's
+    config.json in the Hugging Face cache (vLLM put it there first): a calibration of
+    another model stops start-up; one of this model passes; an ID absent from the
+    cache is not checked, with a warning, and never fetched."""
+    import hashlib
+
+    import huggingface_hub.constants
+
+    from tests.cli.test_cli_conventions import hub_cache
+    from vllm_graft.core.calibration import (Calibration, CalibrationError, ModelIdentity,
+                                             fingerprint_model)
+    from vllm_graft.core.config import GraftConfig
+    from vllm_graft.vllm.config import check_files
+
+    cache = tmp_path / "hub"
+    target = hub_cache(cache, "acme/target", {"num_hidden_layers": 2})
+    head = hub_cache(cache, "acme/head", {"num_hidden_layers": 1})
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+
+    def calibration_of(target_fingerprint: str) -> GraftConfig:
+        path = tmp_path / f"calib-{target_fingerprint[:8]}.json"
+        Calibration(format_version=1, checkpoints=(0, 1, 5), thresholds=(0.3, 0.2, 0.1),
+                    budget=60, draft_keep=(8, 24, 40), template="best_first",
+                    target=ModelIdentity(name="target", fingerprint=target_fingerprint),
+                    drafter=ModelIdentity(name="head", fingerprint=fingerprint_model(
+                        head.parent)),
+                    warmup_corpus_sha256="0" * 64).save(path)
+        return GraftConfig(calibration=str(path))
+
+    served = hashlib.sha256(target.read_bytes()).hexdigest()
+    check_files(calibration_of(served), target_model="acme/target",
+                drafter_model="acme/head", target_vocab_size=None)
+    with pytest.raises(CalibrationError, match="'target.fingerprint' belongs to 'target'"):
+        check_files(calibration_of("e" * 64), target_model="acme/target",
+                    drafter_model="acme/head", target_vocab_size=None)
+    check_files(calibration_of("e" * 64), target_model="acme/elsewhere",
+                drafter_model="acme/head", target_vocab_size=None)  # not in the cache
+    assert "not checked against acme/elsewhere" in caplog.text
+
+
 def test_explicit_thresholds_and_calibration_reach_the_runner(tiny_models, tmp_path):
     """A calibration file for these very models is accepted and its thresholds used."""
     from vllm import SamplingParams

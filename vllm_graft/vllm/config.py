@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_graft.core.calibration import Calibration, fingerprint_model, load_calibration
+from vllm_graft.core.calibration import Calibration, load_calibration
 from vllm_graft.core.config import GraftConfig, GraftConfigError, TreeShape, resolve_tree_shape
 from vllm_graft.core.successor import read_successor_file
+from vllm_graft.offline.models import ModelNotFoundError, model_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -196,10 +197,19 @@ def check_speculators_head(model: str, drafter: str) -> None:
             f"a head graft.drafter {drafter!r} can use (expected one of {list(allowed)})")
 
 
-def _local_fingerprint(model: str | None) -> str | None:
-    if model and (Path(model) / "config.json").is_file():
-        return fingerprint_model(model)
-    return None
+def _served_fingerprint(model: str | None) -> str | None:
+    """The fingerprint of a served model's ``config.json``: a local directory's, or a
+    Hub ID's from the Hugging Face cache, where vLLM put it before Graft's config is
+    read (never downloaded here). None, with a warning, where neither holds one: the
+    calibration is then not checked against that model."""
+    if not model:
+        return None
+    try:
+        return model_fingerprint(model, local_files_only=True)
+    except ModelNotFoundError as err:
+        logger.warning("Graft: the calibration's fingerprint is not checked against %s "
+                       "(%s)", model, err)
+        return None
 
 
 def check_files(config: GraftConfig, *, target_model: str | None, drafter_model: str | None,
@@ -211,8 +221,8 @@ def check_files(config: GraftConfig, *, target_model: str | None, drafter_model:
     if config.calibration is not None:
         calibration = load_calibration(
             config.calibration, config,
-            target_fingerprint=_local_fingerprint(target_model),
-            drafter_fingerprint=_local_fingerprint(drafter_model))
+            target_fingerprint=_served_fingerprint(target_model),
+            drafter_fingerprint=_served_fingerprint(drafter_model))
     # a state file start-up cannot use stops it here under on_corrupt "refuse" only (else
     # the proposer moves it aside: vllm_graft.vllm.successor_state.load_successor_state)
     refused = config.successor_state is not None and config.successor_state.on_corrupt == "refuse"
