@@ -51,7 +51,10 @@ def handle_shutdown(self):
             self.model_executor.collective_rpc(
                 save_successor_state, timeout=STATE_SAVE_SHUTDOWN_S,
                 args=(SHUTDOWN_REQUESTED_REASON,))
-        except Exception:  # the shutdown must go on whatever the save did
-            logger.exception("Graft: the successor state was not saved when the "
-                             "shutdown was requested")
+        except Exception as err:  # the shutdown must go on whatever the save did
+            # e.g. a SIGTERM to the whole process group (systemd's default) reached the
+            # workers too: they are exiting, and each saves at its own shutdown (11b)
+            logger.warning("Graft: no successor state save when the shutdown was "
+                           "requested (%s: %s); the workers' save at their shutdown "
+                           "follows", type(err).__name__, err)
     return call_original(EngineCoreProc, "_handle_shutdown")(self)
