@@ -35,13 +35,12 @@ def http_post(url: str, body: dict, timeout: float = 120.0) -> dict:
         return json.loads(response.read())
 
 
-def http_post_status(url: str, body: dict) -> tuple[int, str]:
-    """The status of a POST, and the error's body where it failed."""
+def http_post_status(url: str, body: dict) -> tuple[int, dict | str]:
+    """A POST's status: 200 and the reply, or the error's status and body."""
     try:
-        http_post(url, body)
+        return 200, http_post(url, body)
     except urllib.error.HTTPError as err:
         return err.code, err.read().decode()
-    return 200, ""
 
 
 def open_stream(url: str, body: dict):
@@ -108,12 +107,8 @@ class ServedModel:
             time.sleep(0.5)
 
     def complete(self, **body) -> tuple[int, dict | str]:
-        """``/v1/completions`` of the served model: 200 and the reply, or the error's
-        status and body."""
-        try:
-            return 200, http_post(f"{self.base}/v1/completions", {"model": self.model, **body})
-        except urllib.error.HTTPError as error:
-            return error.code, error.read().decode()
+        """``/v1/completions`` of the served model (:func:`http_post_status`)."""
+        return http_post_status(f"{self.base}/v1/completions", {"model": self.model, **body})
 
     def alive(self) -> bool:
         return self.process.poll() is None and http_get(f"{self.base}/health")[0] == 200
