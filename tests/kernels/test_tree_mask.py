@@ -54,20 +54,27 @@ def test_gpu_check_imports_need_no_vllm():
 
 def test_the_kernel_serves_only_plans_whose_rows_it_can_read():
     """The Triton kernel reads a forward's own rows from the paged cache and packs each
-    tree's mask into one word. A drafter's forward (rows kept in a store, none written
-    to the cache: the kernel would read stale K/V, on a GPU, from its first step), a
-    tree of more than 64 rows (budget 64 and more: the packer raises inside the
-    forward) and rows that see earlier forwards' rows take the SDPA path."""
+    tree's mask into one word. A drafter's forward in store mode (rows kept in a store,
+    none written to the cache: the kernel would read stale K/V, on a GPU, from its first
+    step), a tree of more than 64 rows (budget 64 and more: the packer raises inside
+    the forward, counting a drafter's earlier rows in the cache) and rows that see rows
+    of the store take the SDPA path."""
     from vllm_graft.vllm.tree_attention import (TreeAttentionPlan, TreeRequestPlan,
                                                 TreeKVStore, kernel_serves)
 
-    def request(rows: int, context: int = 0) -> TreeRequestPlan:
+    def request(rows: int, context: int = 0, cached: int = 0) -> TreeRequestPlan:
         return TreeRequestPlan(query_start=0, num_rows=rows, prefix_len=8,
                                block_table=torch.zeros(1, dtype=torch.int32),
-                               mask=torch.ones(rows, context + rows, dtype=torch.bool),
-                               context_rows=torch.arange(context) if context else None)
+                               mask=torch.ones(rows, context + cached + rows,
+                                               dtype=torch.bool),
+                               context_rows=torch.arange(context) if context else None,
+                               cached_tree_rows=cached)
 
     assert kernel_serves(TreeAttentionPlan(requests=[request(61), request(64)]))
     assert not kernel_serves(TreeAttentionPlan(requests=[request(61), request(65)]))
     assert not kernel_serves(TreeAttentionPlan(requests=[request(5, context=3)]))
+    # a drafter's step in cache mode: its earlier rows are in the cache, and count
+    # towards the 64 rows one word of mask holds
+    assert kernel_serves(TreeAttentionPlan(requests=[request(10, cached=50)]))
+    assert not kernel_serves(TreeAttentionPlan(requests=[request(10, cached=60)]))
     assert not kernel_serves(TreeAttentionPlan(requests=[request(5)], store=TreeKVStore()))

@@ -17,6 +17,17 @@ def pack_ancestor_bits(visible: torch.Tensor) -> torch.Tensor:
     """
     if visible.dim() < 2 or visible.shape[-1] != visible.shape[-2]:
         raise ValueError(f"tree mask must be [..., N, N], got shape {tuple(visible.shape)}")
+    return pack_row_bits(visible)
+
+
+def pack_row_bits(visible: torch.Tensor) -> torch.Tensor:
+    """Pack ``[..., M]`` booleans (what a row may see among ``M <= 64`` tree positions)
+    into ``[...]`` int64: bit ``j`` for position ``j``. The rows need not be all of the
+    tree (a drafter step's rows see earlier steps' rows too).
+
+    Raises:
+        ValueError: M > 64.
+    """
     nodes = visible.shape[-1]
     if nodes > MAX_TREE_NODES:
         raise ValueError(f"tree mask has {nodes} nodes; at most {MAX_TREE_NODES} fit one word")

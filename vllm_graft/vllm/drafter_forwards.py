@@ -17,8 +17,8 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm_graft.core.draft_tree import DraftStep
 from vllm_graft.core.hybrid import ancestor_ids
 from vllm_graft.vllm.draft_records import SettledRows
-from vllm_graft.vllm.tree_attention import (TreeAttentionPlan, TreeKVStore, TreeRequestPlan,
-                                            active_plan)
+from vllm_graft.vllm.tree_attention import (KernelBatch, TreeAttentionPlan, TreeKVStore,
+                                            TreeRequestPlan, active_plan)
 
 
 @dataclass
@@ -207,29 +207,65 @@ class DrafterForwards:
 class TreeExpansion:
     """The drafter callback of :class:`GraftTreeBuilder` for one round (see module doc).
 
-    Keeps, for every expanded node (a pool slot), the row of its forward in the
-    drafter's K/V store and (EAGLE) its pre-norm output, which its children take as
-    their hidden input.
+    Keeps, for every expanded node (a pool slot), its row among the request's tree rows
+    and (EAGLE) its pre-norm output, which its children take as their hidden input.
+
+    Where each request's draft rows fit in the KV slots vLLM allocated to it beyond its
+    context (the tree's lookahead; :meth:`fits_in_cache`), a step's
+    rows are written to the drafter's paged cache right after the request's prefix, step
+    after step (*cache mode*): later steps read them there like the prefix, every tensor
+    of a step has a fixed shape, and on a GPU the Triton tree kernel serves the drafter's
+    forwards. The target's cache is untouched (the drafter's layers have their own), and
+    the positions written are the ones the target's next tree verification writes in its
+    layers; what is left there is rewritten by the catch-up before any later forward
+    reads it as context. Otherwise the rows are kept aside in a :class:`TreeKVStore`
+    (*store mode*, the SDPA path).
     """
 
+    #: cache mode where the rows fit (tests switch it off to compare the two modes)
+    ROWS_IN_CACHE = True
+
     def __init__(self, proposer: DrafterForwards, *, root_logprobs, root_hidden,
-                 root_positions: torch.Tensor, block_tables: torch.Tensor):
+                 root_positions: torch.Tensor, block_tables: torch.Tensor,
+                 slot_tables: torch.Tensor | None = None, kv_layout=None):
         self.proposer = proposer
         self.root_logprobs = root_logprobs  # ([D, top_k], [D, top_k])
         self.root_hidden = root_hidden  # [D, H], None for drafters without hidden input
         self.root_positions = root_positions.to(proposer.device)  # [D]
         self.root_positions_host = root_positions.tolist()  # read per request, no sync
-        self.block_tables = block_tables  # [D, max_blocks]
-        self.store = TreeKVStore()
-        self.hidden_rows: list[torch.Tensor] = []  # pre-norm outputs, store row order
-        self.row_of_slot: torch.Tensor | None = None  # [D, pool] store row or -1
+        self.prefix_lens = self.root_positions + proposer.PREFIX_EXTRA  # [D]
+        self.block_tables = block_tables  # [D, max_blocks] kernel-block ids
+        # manager-block ids ([D, max_blocks]) when the rows go to the cache, else None,
+        # and the :class:`~vllm_graft.vllm.kv_blocks.PagedKVLayout` that makes slots of them
+        self.slot_tables, self.kv_layout = slot_tables, kv_layout
+        self.store = TreeKVStore() if slot_tables is None else None
+        self.hidden_rows: list[torch.Tensor] = []  # pre-norm outputs, in row order
+        self.rows_so_far = 0  # rows of every forward so far (the hidden rows' numbering)
+        self.row_of_slot: torch.Tensor | None = None  # [D, pool] row or -1
         self.expanded: list[torch.Tensor] = []  # per step: [D, W] expanded slots
+
+    @staticmethod
+    def fits_in_cache(prefix_lens: list[int], rows: int, allocated: list[int]) -> bool:
+        """Whether ``rows`` draft rows after each request's prefix stay inside the slots
+        allocated to it (``allocated``: its block table's blocks times the block size)."""
+        return all(prefix + rows <= slots for prefix, slots in zip(prefix_lens, allocated))
 
     def __call__(self, step: DraftStep) -> tuple[torch.Tensor, torch.Tensor]:
         if step.step == 0:
             values, ids = self.root_logprobs
             return values[step.active].unsqueeze(1), ids[step.active].unsqueeze(1)
         return self._expand(step)
+
+    def _visible_earlier(self, step: DraftStep, active: torch.Tensor) -> torch.Tensor:
+        """``[A, W, C]``: which of the request's ``C`` earlier tree rows (the slots the
+        earlier steps expanded, step after step) each node of this step sees: its
+        ancestors. Nodes expanded at step ``s`` sit at depth ``s``, so the ancestor walk
+        needs no read of the device."""
+        slots = step.node_ids
+        ancestors = ancestor_ids(step.pool.parents[active], slots, step.step)  # [A, W, s]
+        earlier = torch.cat(self.expanded, dim=1)[active]  # [A, C]
+        same = ancestors.unsqueeze(-1) == earlier[:, None, None, :]  # [A, W, s, C]
+        return same.any(dim=2) & (earlier >= 0).unsqueeze(1)
 
     def _expand(self, step: DraftStep) -> tuple[torch.Tensor, torch.Tensor]:
         proposer = self.proposer
@@ -248,45 +284,63 @@ class TreeExpansion:
         hidden = None
         if self.root_hidden is not None:
             # hidden input: the pre-norm output of the row that proposed each node
-            parent_rows = torch.where(
-                parents >= 0, self.row_of_slot[active].gather(1, parents.clamp(min=0)), -1)
-            hidden = self.root_hidden[active].unsqueeze(1).expand(-1, width, -1).clone()
+            hidden = self.root_hidden[active].unsqueeze(1).expand(-1, width, -1)
             if self.hidden_rows:
+                parent_rows = torch.where(
+                    parents >= 0, self.row_of_slot[active].gather(1, parents.clamp(min=0)), -1)
                 all_hidden = torch.cat(self.hidden_rows)
-                has = parent_rows >= 0
-                hidden[has] = all_hidden[parent_rows[has]]
+                from_parent = all_hidden[parent_rows.clamp(min=0)]  # [A, W, H]
+                hidden = torch.where((parent_rows >= 0).unsqueeze(-1), from_parent, hidden)
             hidden = hidden.reshape(num_active * width, -1)
 
-        # context: this request's earlier expansion rows that are ancestors of the node
-        first_new_row = self.store.num_rows
-        plans = []
-        # nodes expanded at step s sit at depth s: the ancestor walk needs no device read
-        ancestors = ancestor_ids(pool.parents[active], slots, step.step)
-        for a, b in enumerate(active.tolist()):  # one device read per draft step
-            if self.expanded:
-                ctx_slots = torch.cat([e[b] for e in self.expanded])  # [C]
-                ctx_rows = self.row_of_slot[b, ctx_slots]
-                visible_ctx = (ancestors[a].unsqueeze(-1) == ctx_slots).any(dim=1)  # [W, C]
-            else:
-                ctx_rows = torch.empty(0, dtype=torch.long, device=device)
-                visible_ctx = torch.zeros((width, 0), dtype=torch.bool, device=device)
-            mask = torch.cat([visible_ctx, torch.eye(width, dtype=torch.bool, device=device)], 1)
-            plans.append(TreeRequestPlan(
-                query_start=a * width, num_rows=width,
-                prefix_len=self.root_positions_host[b] + proposer.PREFIX_EXTRA,
-                block_table=self.block_tables[b],
-                mask=mask, context_rows=ctx_rows))
-        plan = TreeAttentionPlan(requests=plans, store=self.store, replace_all=True,
-                                 store_rows=torch.arange(num_active * width, device=device))
+        earlier = width * (step.step - 1)  # each request's rows of the earlier steps
+        visible = self._visible_earlier(step, active) if self.expanded else torch.zeros(
+            (num_active, width, 0), dtype=torch.bool, device=device)
+        eye = torch.eye(width, dtype=torch.bool, device=device).expand(num_active, -1, -1)
+        mask = torch.cat([visible, eye], dim=2)  # [A, W, C + W]
+        # the full batch needs no read of the device (the fused build's wait-free path)
+        requests = range(num_active) if num_active == len(self.root_positions_host) \
+            else active.tolist()
+        first_row = self.rows_so_far
+        if self.store is None:  # cache mode
+            cache_positions = (self.prefix_lens[active].unsqueeze(1) + earlier
+                               + torch.arange(width, device=device))
+            plan = TreeAttentionPlan(
+                requests=[TreeRequestPlan(
+                    query_start=a * width, num_rows=width,
+                    prefix_len=self.root_positions_host[b] + proposer.PREFIX_EXTRA,
+                    block_table=self.block_tables[b], mask=mask[a], cached_tree_rows=earlier)
+                    for a, b in enumerate(requests)],
+                replace_all=True,
+                write_slots=self.kv_layout.slots(self.slot_tables[active],
+                                                 cache_positions).reshape(-1))
+            plan.kernel_batch = KernelBatch.uniform(self.block_tables[active],
+                                                    self.prefix_lens[active], mask) \
+                if device.type == "cuda" else None
+        else:
+            # earlier rows of this request, by their rows in the store
+            context_rows = self.row_of_slot[active].gather(
+                1, torch.cat(self.expanded, dim=1)[active].clamp(min=0)) if self.expanded \
+                else torch.empty((num_active, 0), dtype=torch.long, device=device)
+            plan = TreeAttentionPlan(
+                requests=[TreeRequestPlan(
+                    query_start=a * width, num_rows=width,
+                    prefix_len=self.root_positions_host[b] + proposer.PREFIX_EXTRA,
+                    block_table=self.block_tables[b], mask=mask[a],
+                    context_rows=context_rows[a]) for a, b in enumerate(requests)],
+                store=self.store, replace_all=True,
+                store_rows=torch.arange(num_active * width, device=device))
         with proposer.forward_timer.span(), active_plan(plan), set_forward_context(
                 {name: None for name in proposer._draft_attn_layer_names},
                 proposer.vllm_config, num_tokens=num_active * width, slot_mapping={}):
             last_hidden, next_hidden = proposer._forward(
                 tokens.reshape(-1).to(torch.int32), positions, hidden)
-        self.store.num_rows += num_active * width
+        self.rows_so_far += num_active * width
+        if self.store is not None:
+            self.store.num_rows = self.rows_so_far
         if next_hidden is not None:
             self.hidden_rows.append(next_hidden)
-        new_rows = torch.arange(first_new_row, first_new_row + num_active * width,
+        new_rows = torch.arange(first_row, first_row + num_active * width,
                                 device=device).view(num_active, width)
         self.row_of_slot[active.unsqueeze(1), slots] = new_rows
         expanded = torch.full((self.row_of_slot.shape[0], width), -1, dtype=torch.long,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -76,6 +77,13 @@ class PagedKVLayout:
         """``[num_reqs, max_blocks]`` int32 manager block ids of the persistent batch."""
         table = runner.input_batch.block_table[self.group_id]
         return table.get_device_tensor(runner.input_batch.num_reqs)
+
+    def allocated_slots(self, runner, batch_rows) -> np.ndarray:
+        """Slots allocated to the requests at ``batch_rows`` of the persistent batch (its
+        block table's blocks times the block size, read on the host): positions
+        ``[0, allocated)`` may be written."""
+        table = runner.input_batch.block_table[self.group_id]
+        return table.num_blocks_per_row[batch_rows].astype(np.int64) * self.block_size
 
     def kernel_block_table(self, block_table: torch.Tensor) -> torch.Tensor:
         """Manager block ids (``[..., blocks]``) to the kernel-block ids that index the

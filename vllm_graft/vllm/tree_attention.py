@@ -3,10 +3,12 @@
 vLLM's CPU kernel knows only causal attention over a request's KV in linear slot order.
 For rows that belong to a token tree we let the native kernel run (the other requests
 of the batch need it) and then recompute the tree rows ourselves: the request's context
-``[0, prefix_len)`` is read from the paged KV cache, extra context rows (earlier draft
-steps) and the current rows come from K/V kept in a :class:`TreeKVStore`, and
+``[0, prefix_len)`` is read from the paged KV cache, and
 ``scaled_dot_product_attention`` applies the ancestor mask. A forward whose rows are all
-tree rows (the drafter's tree steps) skips the native kernel.
+tree rows (the drafter's tree steps) skips the native kernel. The drafter's tree rows
+of earlier draft steps are in its paged cache after the prefix, written there by the
+plan (``write_slots``, *cache mode*), or, where the request's allocated slots cannot
+hold them, kept in a :class:`TreeKVStore` (*store mode*).
 
 Which rows are tree rows is said by a :class:`TreeAttentionPlan`, made active for one
 model forward with :func:`active_plan`; forwards without a plan run untouched.
@@ -55,6 +57,10 @@ class TreeRequestPlan:
     prefix_len:  context positions [0, prefix_len) read from the paged cache
     block_table: [max_blocks] int32 block ids of the request
     context_rows: [C] int64 rows of the store (earlier forwards) this request may see
+    cached_tree_rows: C earlier tree rows of this request in the paged cache, at
+          positions [prefix_len, prefix_len + C) (the drafter's earlier draft steps,
+          written there by :attr:`TreeAttentionPlan.write_slots`); the current rows
+          follow them. Not used together with ``context_rows``.
     mask: [num_rows, C + num_rows] bool, True = may attend (over context rows, then the
           current rows); the prefix is always fully visible
     """
@@ -65,6 +71,7 @@ class TreeRequestPlan:
     block_table: torch.Tensor
     mask: torch.Tensor
     context_rows: torch.Tensor | None = None
+    cached_tree_rows: int = 0
     _visible: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def visible(self, device: torch.device) -> torch.Tensor:
@@ -114,6 +121,9 @@ class TreeAttentionPlan:
     replace_all: bool = False  # every row of the forward is a tree row: skip the native kernel
     # the K/V rows this forward appends to the store, in store order
     store_rows: torch.Tensor | None = None
+    # [T] cache slots where this forward's rows' K/V are written before attention (the
+    # drafter's rows in cache mode, whose forward passes vLLM no slot mapping)
+    write_slots: torch.Tensor | None = None
     seconds: float = 0.0  # time spent recomputing tree rows (for the overhead metrics)
     kernel_batch: KernelBatch | None = None  # the kernel's inputs, built at first use
     layers: dict[str, object] = field(default_factory=dict)  # attention layers it ran in
@@ -388,6 +398,8 @@ def tree_attention_forward(original, impl, layer, query, key, value, kv_cache,
     if plan.store is not None:
         index = plan.store_rows
         plan.store.append(layer, key[index], value[index])
+    if plan.write_slots is not None:
+        impl.do_kv_cache_update(layer, key, value, kv_cache, plan.write_slots)
     out_view = output.view(output.shape[0], query.shape[1], -1)
     views = kernel_cache_views(read_paged_kv, kv_cache) \
         if kernel_allowed(impl, layer, kv_cache) and kernel_serves(plan) else None
@@ -403,27 +415,30 @@ def tree_attention_forward(original, impl, layer, query, key, value, kv_cache,
 
 def kernel_serves(plan: TreeAttentionPlan) -> bool:
     """Whether the Triton kernel can compute every tree row of ``plan``. It reads the
-    forward's own rows from the paged cache, which a drafter's forward (``plan.store``:
-    its rows kept aside, none written to the cache) leaves stale, and it packs a tree's
-    mask into one word (at most ``MAX_TREE_NODES`` rows: budget 64 and more would stop
-    the engine there). Anything else takes the SDPA path."""
+    forward's own rows and earlier tree rows from the paged cache, which a drafter's
+    forward in store mode (``plan.store``: its rows kept aside, none written to the
+    cache) leaves stale, and it packs a tree's mask into one word (at most
+    ``MAX_TREE_NODES`` tree rows, earlier and current: budget 64 and more would stop the
+    engine there). Anything else takes the SDPA path."""
     from vllm_graft.kernels.tree_mask import MAX_TREE_NODES
 
     return plan.store is None and all(
-        r.num_rows <= MAX_TREE_NODES
+        r.cached_tree_rows + r.num_rows <= MAX_TREE_NODES
         and (r.context_rows is None or not r.context_rows.numel()) for r in plan.requests)
 
 
 def sdpa_tree_rows(plan: TreeAttentionPlan, layer_name: str, query, key, value, kv_cache,
                    read_paged_kv, scale: float, out_view: torch.Tensor) -> None:
-    """The reference path: per request, the prefix read from the paged cache, earlier
-    draft rows from the store, this forward's rows from ``key``/``value``; SDPA in fp32
-    (grouped-query heads share their K/V without copies)."""
+    """The reference path: per request, the prefix (and the earlier tree rows of cache
+    mode) read from the paged cache, earlier draft rows of store mode from the store,
+    this forward's rows from ``key``/``value``; SDPA in fp32 (grouped-query heads share
+    their K/V without copies)."""
     for req in plan.requests:
         rows = slice(req.query_start, req.query_start + req.num_rows)
         parts_k, parts_v = [], []
-        if req.prefix_len:
-            k_prefix, v_prefix = read_paged_kv(kv_cache, req.block_table, req.prefix_len)
+        cached = req.prefix_len + req.cached_tree_rows
+        if cached:
+            k_prefix, v_prefix = read_paged_kv(kv_cache, req.block_table, cached)
             parts_k.append(k_prefix)
             parts_v.append(v_prefix)
         if req.context_rows is not None and req.context_rows.numel():
@@ -442,9 +457,10 @@ def sdpa_tree_rows(plan: TreeAttentionPlan, layer_name: str, query, key, value, 
 
 # ---- the Triton kernel path --------------------------------------------------------------
 # The tree rows' own K/V are in the paged cache already (vLLM writes every row's K/V to
-# its slot before the attention forward), so the kernel reads prefix and tree alike from
-# the cache, in one launch per layer for all requests. Plans whose rows also attend to
-# K/V kept outside the cache (the drafter's later tree steps) use the SDPA path.
+# its slot before the attention forward; a drafter's plan in cache mode writes them
+# itself), so the kernel reads prefix and tree alike from the cache, in one launch per
+# layer for all requests. Plans whose rows also attend to K/V kept outside the cache
+# (the drafter's later tree steps in store mode) use the SDPA path.
 TREE_KERNEL_ENV = "VLLM_GRAFT_TREE_KERNEL"
 
 
@@ -520,24 +536,46 @@ class KernelBatch:
 
     @classmethod
     def from_plan(cls, plan: TreeAttentionPlan, device) -> KernelBatch:
-        from vllm_graft.kernels.tree_mask import pack_ancestor_bits
+        """Any plan the kernel serves (:func:`kernel_serves`), request by request."""
+        from vllm_graft.kernels.tree_mask import pack_row_bits
 
         requests = plan.requests
         rows = torch.cat([torch.arange(r.query_start, r.query_start + r.num_rows)
                           for r in requests])
         counts = torch.tensor([r.num_rows for r in requests], dtype=torch.int32)
         prefix = torch.tensor([r.prefix_len for r in requests], dtype=torch.int32)
+        earlier = torch.tensor([r.cached_tree_rows for r in requests], dtype=torch.int32)
         width = max(r.block_table.numel() for r in requests)
         table = torch.zeros((len(requests), width), dtype=torch.int32, device=device)
         for i, r in enumerate(requests):
             table[i, :r.block_table.numel()] = r.block_table.to(device)
-        bits = torch.cat([pack_ancestor_bits(r.mask[:, -r.num_rows:].to(device))
-                          for r in requests])
+        bits = torch.cat([pack_row_bits(r.mask[:, -(r.cached_tree_rows + r.num_rows):]
+                                        .to(device)) for r in requests])
         return cls(rows=rows.to(device), block_table=table,
                    query_start_loc=torch.cat([counts.new_zeros(1), counts.cumsum(0)]
                                              ).to(torch.int32).to(device),
-                   seq_lens=(prefix + counts).to(device), tree_start=prefix.to(device),
-                   tree_bits=bits)
+                   seq_lens=(prefix + earlier + counts).to(device),
+                   tree_start=prefix.to(device), tree_bits=bits)
+
+    @classmethod
+    def uniform(cls, block_table: torch.Tensor, prefix_len: torch.Tensor, mask: torch.Tensor
+                ) -> KernelBatch:
+        """The batch of a drafter's tree step in cache mode, built with a few batched ops
+        (no per-request work): ``R`` requests of ``W`` rows each, request ``r``'s rows
+        ``[r * W, (r + 1) * W)`` of the forward; ``block_table`` ``[R, max_blocks]``
+        (kernel-block ids), ``prefix_len`` ``[R]``, ``mask`` ``[R, W, C + W]`` over the
+        ``C`` earlier tree rows (in the cache after the prefix) and the current ones."""
+        from vllm_graft.kernels.tree_mask import pack_row_bits
+
+        requests, width, tree_rows = mask.shape
+        device = mask.device
+        prefix = prefix_len.to(device=device, dtype=torch.int32)
+        return cls(rows=torch.arange(requests * width, device=device),
+                   block_table=block_table.to(torch.int32),
+                   query_start_loc=torch.arange(0, (requests + 1) * width, width,
+                                                dtype=torch.int32, device=device),
+                   seq_lens=prefix + tree_rows, tree_start=prefix,
+                   tree_bits=pack_row_bits(mask).reshape(-1))
 
 
 def kernel_tree_rows(plan: TreeAttentionPlan, query: torch.Tensor, views, scale: float,

@@ -101,6 +101,17 @@ class GraftTreeDrafting(ChainDrafting, DraftingAdmission, DrafterForwards):
         self.tree_builder = GraftTreeBuilder(config, matrix, settings.thresholds, device,
                                              tree_shape=settings.tree_shape,
                                              score_nodes=True)
+        # a request's drafter rows in one tree (every step after the root's expands
+        # top_k nodes); written to its cache slots after the context where they fit
+        # (TreeExpansion's cache mode), which the tree's lookahead (budget slots)
+        # guarantees when they are no more than the budget
+        self.draft_rows_per_request = config.top_k * (config.max_depth - 1)
+        if config.variant.drafts and not config.variant.chains \
+                and self.draft_rows_per_request + self.PREFIX_EXTRA > config.budget:
+            logger.info("Graft: the drafter's %d tree rows a request exceed the budget "
+                        "(%d): where vLLM allocated fewer slots they are kept aside and "
+                        "attended with SDPA, not the tree kernel",
+                        self.draft_rows_per_request + self.PREFIX_EXTRA, config.budget)
         # which matrix partition each request reads and teaches (graft.isolation)
         self.isolation = MatrixPartitions(
             IsolationMode(config.isolation.mode), matrix,
@@ -241,12 +252,18 @@ class GraftTreeDrafting(ChainDrafting, DraftingAdmission, DrafterForwards):
                 [settled[i].first_position + len(settled[i].rows) for i in drafting])
             batch_rows = torch.tensor([settled[i].batch_row for i in drafting],
                                       dtype=torch.long)
+            layout = self._kv_layout(runner)
+            manager_tables = self._block_table(runner)[batch_rows.to(self.device)]
+            in_cache = TreeExpansion.ROWS_IN_CACHE and TreeExpansion.fits_in_cache(
+                [p + self.PREFIX_EXTRA for p in root_positions.tolist()],
+                self.draft_rows_per_request,
+                layout.allocated_slots(runner, batch_rows.numpy()).tolist())
             expander = TreeExpansion(
                 self, root_logprobs=self._top_k(last_hidden[last_rows[index]]),
                 root_hidden=None if next_hidden is None else next_hidden[last_rows[index]],
                 root_positions=root_positions,
-                block_tables=self._kv_layout(runner).kernel_block_table(
-                    self._block_table(runner)[batch_rows.to(self.device)]))
+                block_tables=layout.kernel_block_table(manager_tables),
+                slot_tables=manager_tables if in_cache else None, kv_layout=layout)
         context = None
         if self.uses_context:
             config = self.context_config
