@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from vllm_graft.core.context import (DEPTH_DECAY, SHARED_DISCOUNT, SPAN_LOOKBACK,
-                                     ContextIndex, ContextProposal, RecentOutputsIndex,
+                                     ContextIndex, ContextProposal, PeerOutputs,
+                                     RecentOutputsIndex,
                                      proposals_to_tensors)
 
 
@@ -637,3 +638,40 @@ def test_lead_chain_is_kept_whole_before_other_branches():
     assert sorted(led.depths[4:]) == [1, 1, 1, 1]
     with pytest.raises(ValueError, match="lead_nodes"):
         index.propose(max_nodes=8, max_depth=4, max_matches=8, lead_nodes=-1)
+
+
+# ---- running peers' outputs ---------------------------------------------------------------
+
+
+def _peer(prompt: list[int], output: list[int]) -> tuple[ContextIndex, int]:
+    return _index(prompt + output), len(prompt)
+
+
+def test_peer_outputs_match_only_in_outputs_longest_first():
+    peers = PeerOutputs([_peer([1, 2, 3, 9], [1, 2, 4, 5]), _peer([7], [0, 1, 2, 3, 6, 6])])
+    # (1, 2) in the first peer's prompt is skipped; its output's comes after the second
+    # peer's longer (0, 1, 2) match
+    assert peers.matches([0, 1, 2], max_matches=4, max_depth=3) == [
+        (3, [3, 6, 6]), (2, [4, 5])]
+    assert peers.matches([0, 1, 2], 4, 3, longer_than=2) == [(3, [3, 6, 6])]
+    assert peers.matches([0, 1, 2], 4, 3, longer_than=3) == []
+    assert not PeerOutputs([]) and PeerOutputs([], RecentOutputsIndex(max_tokens=10))
+
+
+def test_peer_outputs_then_finished_ones_of_the_same_length():
+    finished = RecentOutputsIndex(max_tokens=100)
+    finished.add([5, 1, 2, 8, 8])
+    finished.add([0, 1, 2, 7])
+    peers = PeerOutputs([_peer([4], [1, 2, 6])], finished)
+    assert peers.matches([0, 1, 2], 4, 2) == [(3, [7]), (2, [6]), (2, [8, 8])]
+
+
+def test_a_chain_follows_a_shared_match_only_when_it_is_longer():
+    own = _index([3, 1, 2, 4, 4, 9, 1, 2])  # (1, 2) once before: 4, 4
+    longer = PeerOutputs([_peer([0], [9, 1, 2, 5, 5])])  # (9, 1, 2): three tokens
+    as_long = PeerOutputs([_peer([0], [8, 1, 2, 6, 6])])  # (1, 2) only
+    assert own.best_match(2) == (2, [4, 4])
+    assert own.best_match(2, longer) == (3, [5, 5])
+    assert own.best_match(2, as_long) == (2, [4, 4])  # own text first at equal length
+    alone = _index([6, 8, 1, 2])  # no own match: the shared one of any length
+    assert alone.best_match(2, as_long) == (3, [6, 6])

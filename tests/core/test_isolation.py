@@ -175,14 +175,6 @@ def test_tree_builder_retrieves_from_each_requests_partition():
     assert stats.retrieval_hits.tolist()[0] == 0
 
 
-def test_cross_request_context_needs_global_isolation():
-    from vllm_graft.core.config import GraftConfig, GraftConfigError
-
-    with pytest.raises(GraftConfigError, match="cross_request .* needs isolation 'global'"):
-        GraftConfig.from_dict({"context": {"cross_request": True}})
-    GraftConfig.from_dict({"context": {"cross_request": True}, "isolation": "global"})
-
-
 @pytest.mark.parametrize("isolation, message", [
     ({"tenant_source": "usr"}, "graft.isolation.tenant_source: must be one of 'user'"),
     ({"tenant_source": "header:"}, "graft.isolation.tenant_source: .*header name"),

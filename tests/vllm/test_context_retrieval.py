@@ -45,8 +45,11 @@ def test_context_copies_are_verified_accepted_and_lossless(tiny_models, plain_ou
         states = llm.collective_rpc(context_states)[0]
     assert metrics["graft_context_nodes"] > 0, metrics
     assert metrics["graft_accepted_context"] > 0, metrics
-    assert states == {"context_indexes": 1, "prompt_lengths": 1, "pending": 1,
-                      "shared_tokens": 0}, states
+    # isolation global (graft_spec's): the finished outputs are shared (cross_request
+    # is on by default)
+    assert states["shared_tokens"] > 0, states
+    assert {key: states[key] for key in ("context_indexes", "prompt_lengths", "pending")} \
+        == {"context_indexes": 1, "prompt_lengths": 1, "pending": 1}, states
 
     with running_llm(tiny_models.target,
                      graft_spec(tiny_models.head, budget=60, context=False)) as llm:

@@ -178,3 +178,45 @@ def test_the_tenant_choice():
     assert tenant_name("") is None and tenant_name("a" * 256) == "a" * 256
     long = tenant_name("u" * 1000)
     assert long.startswith("sha256:") and len(long) <= 256 and long != tenant_name("u" * 999)
+
+
+@pytest.mark.parametrize("mode, tenants, peers_of_a", [
+    ("global", {"a": None, "b": None, "c": None}, {"b", "c"}),
+    ("tenant", {"a": "t1", "b": "t1", "c": "t2"}, {"b"}),  # a tenant's requests only
+    ("tenant", {"a": None, "b": None, "c": "t2"}, set()),  # unnamed: private matrices
+    ("request", {"a": "t1", "b": "t1", "c": "t1"}, set())])
+def test_requests_copy_from_the_outputs_of_those_sharing_their_matrix(mode, tenants,
+                                                                       peers_of_a):
+    """Cross-request copies (``context.cross_request``) reach exactly the requests that
+    read the same successor matrix: another tenant's or a private request's output is
+    never proposed; finished outputs are shared in global mode only."""
+    from types import SimpleNamespace
+
+    from vllm_graft.core.config import ContextRetrievalConfig
+    from vllm_graft.core.context import ContextIndex, RecentOutputsIndex
+    from vllm_graft.core.isolation import IsolationMode, MatrixPartitions
+    from vllm_graft.core.successor import SuccessorMatrix
+    from vllm_graft.vllm.tree_drafting import GraftTreeDrafting
+
+    isolation = MatrixPartitions(IsolationMode(mode), SuccessorMatrix.empty(32, 2), 8)
+    indexes = {}
+    for req_id, tenant in tenants.items():
+        isolation.assign(req_id, tenant)
+        indexes[req_id] = ContextIndex()
+        indexes[req_id].extend([1, 2, 3])
+    finished = RecentOutputsIndex(max_tokens=64) if mode == "global" else None
+    drafting = SimpleNamespace(
+        uses_context=True, context_config=ContextRetrievalConfig(), isolation=isolation,
+        context_indexes=indexes, prompt_lengths=dict.fromkeys(tenants, 1),
+        shared_context=finished)
+    shared = GraftTreeDrafting.shared_outputs(drafting, ["a"])[0]
+    got = set() if shared is None else {
+        req_id for req_id, index in indexes.items()
+        if any(index is peer for peer, _ in shared.peers)}
+    assert got == peers_of_a
+    if mode == "global":
+        assert shared.finished is finished
+    else:
+        assert shared is None or shared.finished is None
+    drafting.context_config = ContextRetrievalConfig(cross_request=False)
+    assert GraftTreeDrafting.shared_outputs(drafting, ["a"]) == [None]

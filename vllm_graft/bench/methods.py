@@ -112,6 +112,13 @@ def methods(budget: int, chain_tokens: int = 5, dflash_block: int = 8) -> dict[s
                              uses_retrieval=True,
                              note="budget \"auto\": each step a sized tree, a copy chain "
                                   "or plain decoding, whichever measures fastest"),
+        "graft_auto_shared": Method(
+            "graft_auto_shared", "graft",
+            graft={"variant": "graft", **_auto(budget), "isolation": "global"},
+            uses_retrieval=True,
+            note="budget \"auto\" with every request sharing one matrix and copying from "
+                 "each other's outputs (isolation global), as suffix decoding shares its "
+                 "tree; the default keeps a request that names no tenant private"),
         "tail": Method("tail", "graft", graft={"variant": "tail", "budget": chain_tokens},
                        uses_retrieval=True,
                        note=f"Graft-TAIL: EAGLE-3 chain, unsure tail from the matrix, "

@@ -144,8 +144,13 @@ class ContextRetrievalConfig(BaseModel):
     candidates when the context has a match; the budget cut then falls on the
     lowest-priority retrieved nodes, and with ``budget: "auto"`` every node, copied or
     not, is kept only while its learned acceptance pays for its verification.
-    ``cross_request`` also matches recent outputs of *other* requests of the same engine
-    (SuffixDecoding-style): it shares text between requests, so it is off by default.
+    ``cross_request`` also matches the outputs of *other* requests (SuffixDecoding-style),
+    within what ``graft.isolation`` lets requests share: those that read the same
+    successor matrix (every request in ``global`` mode, a tenant's requests in
+    ``tenant`` mode, none for a private matrix), their outputs as they grow, and in
+    ``global`` mode also recent finished outputs (``cross_request_tokens`` of them).
+    Text shared this way only changes what is proposed, never the output, and it
+    reaches only requests that already share what the matrix learns from them.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -160,10 +165,13 @@ class ContextRetrievalConfig(BaseModel):
         "any other branch (prompt lookup's chain stays whole)")
     min_ngram: int = Field(2, ge=1, le=32, description="shortest suffix matched")
     max_ngram: int = Field(8, ge=1, le=32, description="longest suffix matched")
-    cross_request: bool = Field(False, description="also match recent outputs of other "
-                                "requests of the engine (shares text between them)")
+    cross_request: bool = Field(True, description="also match the outputs of other "
+                                "requests that share the request's successor matrix "
+                                "(graft.isolation): running ones, and in global mode "
+                                "recent finished ones")
     cross_request_tokens: int = Field(
-        65536, ge=1, le=1 << 24, description="recent output tokens the shared index holds")
+        65536, ge=1, le=1 << 24, description="recent finished output tokens the shared "
+        "index holds (isolation global)")
 
     @model_validator(mode="after")
     def _check_ngrams(self) -> ContextRetrievalConfig:
@@ -489,11 +497,6 @@ class GraftConfig(BaseModel):
                 f"entries, got {len(self.rank_prior)}")
         if any(not 0.0 < p < 1.0 for p in self.rank_prior):
             raise ValueError(f"rank_prior entries must lie in (0, 1), got {list(self.rank_prior)}")
-        if self.uses_context and self.context_settings.cross_request \
-                and self.isolation.mode != "global":
-            raise ValueError(f"context.cross_request copies from every request's outputs: "
-                             f"it needs isolation 'global' (isolation is "
-                             f"{self.isolation.mode!r})")
         if self.drafter == "dflash" and not self.variant.chains:
             raise ValueError(f"drafter 'dflash' drafts blocks, which Graft grafts as "
                              f"chains: it needs variant 'tail' (variant is "

@@ -17,8 +17,10 @@ step (:meth:`ContextIndex.catch_up`): a long prompt is indexed newest first over
 several steps, proposing from the part indexed meanwhile.
 
 :class:`RecentOutputsIndex` holds the same hash over recent finished outputs of all
-requests (SuffixDecoding-like), within a token budget; a request with too few matches
-of its own fills up from it.
+requests (SuffixDecoding-like), within a token budget, and :class:`PeerOutputs` reads the
+outputs of running requests that share the request's successor matrix through their
+own indexes; a request with too few matches of its own fills up from them, and a copy
+chain follows a shared match that is longer than its own best.
 
 Weights. A match of length ``n`` (the n-gram length at which it was found) has weight
 ``n``, times ``shared_discount`` when it comes from another request's output: longer
@@ -324,19 +326,20 @@ class RecentOutputsIndex(_NgramIndex):
         self._num_tokens -= len(output)
         self._table.remove_leading(output, lambda position: position[0] == output_id)
 
-    def matches(self, suffix: Sequence[int], max_matches: int,
-                max_depth: int) -> list[tuple[int, list[int]]]:
+    def matches(self, suffix: Sequence[int], max_matches: int, max_depth: int,
+                longer_than: int = 0) -> list[tuple[int, list[int]]]:
         """``(match length, continuation)`` for up to ``max_matches`` occurrences of the
         end of ``suffix`` followed by at least one token: longest match first, most
         recent first within a length; each continuation has at most ``max_depth``
-        tokens and stays within its output."""
+        tokens and stays within its output. Only matches longer than ``longer_than``."""
         _check_at_least("max_matches", max_matches, 0)
         _check_at_least("max_depth", max_depth, 1)
         found: list[tuple[int, list[int]]] = []
         if max_matches == 0:
             return found
         taken: set[tuple[int, int]] = set()
-        for n in range(min(self.max_ngram, len(suffix)), self.min_ngram - 1, -1):
+        for n in range(min(self.max_ngram, len(suffix)),
+                       max(self.min_ngram, longer_than + 1) - 1, -1):
             for position in reversed(self._table.lookup(suffix, n)):
                 output_id, end = position
                 output = self._outputs[output_id]
@@ -346,6 +349,61 @@ class RecentOutputsIndex(_NgramIndex):
                 found.append((n, output[end + 1:end + 1 + max_depth]))
                 if len(found) == max_matches:
                     return found
+        return found
+
+
+class PeerOutputs:
+    """The outputs of a request's peers (other running requests that read the same
+    successor matrix, :mod:`vllm_graft.core.isolation`) as they grow, and recent
+    finished outputs, as one source of cross-request matches: SuffixDecoding's global
+    tree, within an isolation owner. A peer's output is read through the peer's own
+    :class:`ContextIndex` (no index of its own: no memory, no upkeep); only occurrences
+    ending in the peer's output count, not in its prompt, as suffix decoding keeps
+    responses only. ``finished``: a :class:`RecentOutputsIndex` (or None), whose
+    matches follow the peers' of the same length.
+
+    peers: ``(index, output_start)`` per peer, ``output_start`` its prompt's length.
+    """
+
+    def __init__(self, peers: Sequence[tuple[ContextIndex, int]],
+                 finished: RecentOutputsIndex | None = None):
+        self.peers = list(peers)
+        self.finished = finished
+        first = self.peers[0][0] if self.peers else finished
+        self.min_ngram = first.min_ngram if first is not None else 1
+        self.max_ngram = first.max_ngram if first is not None else 0
+
+    def __bool__(self) -> bool:
+        return bool(self.peers) or self.finished is not None
+
+    def matches(self, suffix: Sequence[int], max_matches: int, max_depth: int,
+                longer_than: int = 0) -> list[tuple[int, list[int]]]:
+        """:meth:`RecentOutputsIndex.matches` over the peers' outputs, then the finished
+        ones, longest first (within a length the peers' first, in their order, each's
+        most recent first); only matches longer than ``longer_than`` tokens (a lookup
+        that a longer own match makes moot costs nothing)."""
+        _check_at_least("max_matches", max_matches, 0)
+        _check_at_least("max_depth", max_depth, 1)
+        found: list[tuple[int, list[int]]] = []
+        finished = self.finished.matches(suffix, max_matches, max_depth, longer_than) \
+            if self.finished is not None else []
+        taken: set[tuple[int, int]] = set()  # (peer, end): found at a longer length
+        for n in range(min(self.max_ngram, len(suffix)),
+                       max(self.min_ngram, longer_than + 1) - 1, -1):
+            for peer, (index, output_start) in enumerate(self.peers):
+                tokens = index.tokens
+                for end in reversed(index._table.lookup(suffix, n)):
+                    if end < output_start or end >= len(tokens) - 1 or (peer, end) in taken:
+                        continue
+                    taken.add((peer, end))
+                    found.append((n, list(tokens[end + 1:end + 1 + max_depth])))
+                    if len(found) == max_matches:
+                        return found
+            for match in finished:
+                if match[0] == n:
+                    found.append(match)
+                    if len(found) == max_matches:
+                        return found
         return found
 
 
@@ -466,26 +524,31 @@ class ContextIndex(_NgramIndex):
                     return matches, longest
         return matches, longest
 
-    def best_match(self, max_depth: int, shared: RecentOutputsIndex | None = None
+    def best_match(self, max_depth: int,
+                   shared: RecentOutputsIndex | PeerOutputs | None = None
                    ) -> tuple[int, list[int]]:
         """``(match length, continuation)``: what followed the longest, most recent
-        earlier occurrence of the suffix (in this context first, then in ``shared``), at
-        most ``max_depth`` tokens; ``(0, [])`` without a match. Prompt lookup's
-        proposal, for copy chains."""
+        earlier occurrence of the suffix, at most ``max_depth`` tokens; ``(0, [])``
+        without a match. Prompt lookup's proposal, for copy chains. An occurrence in
+        ``shared`` (other requests' outputs) is taken only when it matches longer than
+        the best one of this context: the request's own text predicts it better at
+        equal length, and a longer match is more specific (on the copy benchmark's
+        agent transcripts, taking the shared match only without an own one left a
+        quarter of the gain to suffix decoding)."""
         _check_at_least("max_depth", max_depth, 0)
         if max_depth == 0 or not self._tokens:
             return 0, []
         matches, _ = self._own_matches(1, max_depth)
-        if matches:
-            return int(matches[0][0]), list(matches[0][1])
-        if shared is not None:
-            found = shared.matches(self._tokens[-shared.max_ngram:], 1, max_depth)
-            if found:
+        best = (int(matches[0][0]), list(matches[0][1])) if matches else (0, [])
+        if shared is not None and best[0] < shared.max_ngram:
+            suffix = self._tokens[-shared.max_ngram:]
+            found = shared.matches(suffix, 1, max_depth, longer_than=best[0])
+            if found and found[0][0] > best[0]:
                 return found[0][0], list(found[0][1])
-        return 0, []
+        return best
 
     def propose(self, max_nodes: int, max_depth: int, max_matches: int,
-                shared: RecentOutputsIndex | None = None, *,
+                shared: RecentOutputsIndex | PeerOutputs | None = None, *,
                 depth_decay: float = DEPTH_DECAY,
                 shared_discount: float = SHARED_DISCOUNT,
                 lead_nodes: int = 0) -> ContextProposal:

@@ -49,13 +49,14 @@ class ChainDrafting:
         choice) when budget "auto" is on; the whole chains teach the acceptance model
         once decoding has passed them (:meth:`_shadow_chains`: the nodes it learned from
         come third)."""
+        req_ids = runner.input_batch.req_ids
+        drafting_ids = [req_ids[settled[i].batch_row] for i in drafting]
+        matrix = self.matrix.for_batch(self.partitions(runner, drafting_ids))
         matches = [(0, [])] * len(drafting)
         if self.uses_context:
-            matches = [self._context_index(runner, settled[i]).best_match(
-                self.chain_tokens, self.shared_context) for i in drafting]
-        req_ids = runner.input_batch.req_ids
-        matrix = self.matrix.for_batch(
-            self.partitions(runner, [req_ids[settled[i].batch_row] for i in drafting]))
+            indexes = [self._context_index(runner, settled[i]) for i in drafting]
+            matches = [index.best_match(self.chain_tokens, shared) for index, shared
+                       in zip(indexes, self.shared_outputs(drafting_ids))]
         min_ngram = self.context_config.min_ngram
         chains = walk_chains([settled[i].next_tokens[-1] for i in drafting],
                              [tokens for _, tokens in matches], matrix, self.chain_tokens,

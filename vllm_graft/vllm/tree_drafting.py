@@ -12,7 +12,7 @@ import torch
 
 from vllm_graft.core.budget import ChainScout, ThroughputGuard, TreeSizer, context_scores
 from vllm_graft.core.config import StepMode, TreeShape
-from vllm_graft.core.context import (ContextIndex, RecentOutputsIndex, match_score,
+from vllm_graft.core.context import (ContextIndex, PeerOutputs, RecentOutputsIndex, match_score,
                                      proposals_to_tensors)
 from vllm_graft.core.graft import GraftTreeBuilder
 from vllm_graft.core.isolation import IsolationMode, MatrixPartitions
@@ -148,13 +148,16 @@ class GraftTreeDrafting(ChainDrafting, DraftingAdmission, DrafterForwards):
         # switch from a cheaper mode to trees costs that much)
         self.deferred: dict[str, DeferredRows] = {}
         # context retrieval: one index per request over its prompt and output, and,
-        # when configured, one over recent outputs of finished requests
+        # when configured, matches in other requests' outputs (PeerOutputs): those of
+        # the running requests that share the request's matrix, and in global mode an
+        # index of recent finished outputs
         self.context_config = config.context_settings  # resolved once: read per request, step
         self.uses_context = config.uses_context and self.context_config.max_nodes > 0
         self.context_indexes: dict[str, ContextIndex] = {}
         self.prompt_lengths: dict[str, int] = {}
         self.shared_context = None
-        if self.uses_context and self.context_config.cross_request:
+        if self.uses_context and self.context_config.cross_request \
+                and self.isolation.mode is IsolationMode.GLOBAL:
             context = self.context_config
             self.shared_context = RecentOutputsIndex(
                 max_tokens=context.cross_request_tokens, min_ngram=context.min_ngram,
@@ -163,6 +166,26 @@ class GraftTreeDrafting(ChainDrafting, DraftingAdmission, DrafterForwards):
     @property
     def matrix(self) -> SuccessorMatrix:
         return self.tree_builder.matrix
+
+    def shared_outputs(self, req_ids: list[str]) -> list[PeerOutputs | None]:
+        """Per request of ``req_ids`` (partitions assigned), the other requests' outputs
+        it may copy from (``graft.context.cross_request``): those of the running
+        requests that read its successor matrix, and in global mode the recent finished
+        ones; None where there are none."""
+        if not (self.uses_context and self.context_config.cross_request):
+            return [None] * len(req_ids)
+        by_partition: dict[int, list[str]] = {}
+        for req_id, partition in self.isolation.partition_of.items():
+            if req_id in self.context_indexes:
+                by_partition.setdefault(partition, []).append(req_id)
+        shared = []
+        for req_id in req_ids:
+            partition = self.isolation.partition_of.get(req_id)
+            peers = [(self.context_indexes[peer], self.prompt_lengths.get(peer, 0))
+                     for peer in by_partition.get(partition, ()) if peer != req_id]
+            outputs = PeerOutputs(peers, self.shared_context)
+            shared.append(outputs if outputs else None)
+        return shared
 
     # ---- vLLM hooks -----------------------------------------------------------------
     def dummy_run(self, num_tokens: int, *args, **kwargs) -> None:
@@ -265,16 +288,19 @@ class GraftTreeDrafting(ChainDrafting, DraftingAdmission, DrafterForwards):
                 block_tables=layout.kernel_block_table(manager_tables),
                 slot_tables=manager_tables if in_cache else None, kv_layout=layout)
         context = None
+        drafting_ids = [req_ids[settled[i].batch_row] for i in drafting]
+        partitions = self.partitions(runner, drafting_ids)
         if self.uses_context:
             config = self.context_config
-            proposals = [self._context_index(runner, settled[i]).propose(
+            indexes = [self._context_index(runner, settled[i]) for i in drafting]
+            proposals = [index.propose(
                 max_nodes=config.max_nodes, max_depth=config.max_depth,
-                max_matches=config.max_matches, shared=self.shared_context,
-                lead_nodes=config.lead_nodes) for i in drafting]
+                max_matches=config.max_matches, shared=shared,
+                lead_nodes=config.lead_nodes)
+                for index, shared in zip(indexes, self.shared_outputs(drafting_ids))]
             tokens, parents, depths, _ = proposals_to_tensors(
                 proposals, config.max_nodes, self.device)
             context = (tokens, parents, depths)
-        partitions = self.partitions(runner, [req_ids[settled[i].batch_row] for i in drafting])
         tree, stats = self.tree_builder.build(roots.to(self.device), expander, context,
                                               partitions)
         if context is not None and self.sizer is not None:  # the acceptance model's input
