@@ -10,7 +10,8 @@ import torch
 from tests.core.helpers import copied_to_tensor
 from vllm_graft.core.chain import build_chains
 from vllm_graft.core.config import StepMode
-from vllm_graft.core.context import ContextIndex, RecentOutputsIndex
+from vllm_graft.core.context import ContextIndex
+from vllm_graft.core.shared_outputs import RecentOutputsIndex
 from vllm_graft.core.hybrid import SOURCE_CONTEXT, SOURCE_RETRIEVED
 from vllm_graft.core.successor import SuccessorMatrix
 

@@ -5,9 +5,8 @@ import pytest
 import torch
 
 from vllm_graft.core.context import (DEPTH_DECAY, SHARED_DISCOUNT, SPAN_LOOKBACK,
-                                     ContextIndex, ContextProposal, PeerOutputs,
-                                     RecentOutputsIndex,
-                                     proposals_to_tensors)
+                                     ContextIndex, ContextProposal, proposals_to_tensors)
+from vllm_graft.core.shared_outputs import PeerOutputs, RecentOutputsIndex
 
 
 def _index(tokens, **kwargs) -> ContextIndex:

@@ -193,7 +193,8 @@ def test_requests_copy_from_the_outputs_of_those_sharing_their_matrix(mode, tena
     from types import SimpleNamespace
 
     from vllm_graft.core.config import ContextRetrievalConfig
-    from vllm_graft.core.context import ContextIndex, RecentOutputsIndex
+    from vllm_graft.core.context import ContextIndex
+    from vllm_graft.core.shared_outputs import RecentOutputsIndex
     from vllm_graft.core.isolation import IsolationMode, MatrixPartitions
     from vllm_graft.core.successor import SuccessorMatrix
     from vllm_graft.vllm.tree_drafting import GraftTreeDrafting

@@ -24,6 +24,7 @@ differently (the fused ops break them by the lower pool slot).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -239,6 +240,9 @@ class FusedTreeBuild:
         self.batch_index = torch.empty(0, dtype=torch.long, device=self.device)
         self.empty = torch.empty(0, dtype=torch.long, device=self.device)
         self.empty_context = torch.empty((0, 0), dtype=torch.long, device=self.device)
+        #: runs a build's draft loop in its place when it returns True (the engine's
+        #: CUDA graphs, :mod:`vllm_graft.vllm.draft_graphs`); never asked in compact mode
+        self.draft_loop: Callable[[torch.Tensor, Drafter, StepBuffers], bool] | None = None
 
     def reserve(self, max_batch: int) -> StepBuffers:
         """Buffers for at least ``max_batch`` requests (allocated now if smaller)."""
@@ -264,7 +268,9 @@ class FusedTreeBuild:
         if recipe.max_depth:
             if drafter is None:
                 raise ValueError("this tree recipe drafts: it needs a drafter")
-            self._draft(roots, drafter, buffers, compact)
+            if compact or self.draft_loop is None \
+                    or not self.draft_loop(roots, drafter, buffers):
+                self._draft(roots, drafter, buffers, compact)
         context_tokens, context_parents, context_depths = context if context is not None \
             else (self.empty_context,) * 3
         ops.graft_tree_finalize(
@@ -280,6 +286,12 @@ class FusedTreeBuild:
             vocab_size=recipe.vocab_size,
             out={name: getattr(buffers, name) for name in ops.TREE_OUTPUTS})
         return buffers
+
+    def draft(self, roots: torch.Tensor, drafter: Drafter, buffers: StepBuffers) -> None:
+        """The draft loop alone, every request at every depth (no read of the device):
+        the drafter's forwards and :func:`vllm_graft.ops.graft_draft_step` per depth,
+        into ``buffers`` (a :meth:`reserve` view of ``roots``' batch)."""
+        self._draft(roots, drafter, buffers, compact=False)
 
     def _draft(self, roots: torch.Tensor, drafter: Drafter, buffers: StepBuffers,
                compact: bool) -> None:

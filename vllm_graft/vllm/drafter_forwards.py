@@ -238,7 +238,11 @@ class TreeExpansion:
         # manager-block ids ([D, max_blocks]) when the rows go to the cache, else None,
         # and the :class:`~vllm_graft.vllm.kv_blocks.PagedKVLayout` that makes slots of them
         self.slot_tables, self.kv_layout = slot_tables, kv_layout
-        self.store = TreeKVStore() if slot_tables is None else None
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the round's draft steps (a captured loop starts each replay afresh)."""
+        self.store = TreeKVStore() if self.slot_tables is None else None
         self.hidden_rows: list[torch.Tensor] = []  # pre-norm outputs, in row order
         self.rows_so_far = 0  # rows of every forward so far (the hidden rows' numbering)
         self.row_of_slot: torch.Tensor | None = None  # [D, pool] row or -1

@@ -12,11 +12,12 @@ import torch
 
 from vllm_graft.core.budget import ChainScout, ThroughputGuard, TreeSizer, context_scores
 from vllm_graft.core.config import StepMode, TreeShape
-from vllm_graft.core.context import (ContextIndex, PeerOutputs, RecentOutputsIndex, match_score,
-                                     proposals_to_tensors)
+from vllm_graft.core.context import ContextIndex, match_score, proposals_to_tensors
 from vllm_graft.core.graft import GraftTreeBuilder
 from vllm_graft.core.isolation import IsolationMode, MatrixPartitions
+from vllm_graft.core.shared_outputs import PeerOutputs, RecentOutputsIndex
 from vllm_graft.core.successor import SuccessorMatrix
+from vllm_graft.vllm import draft_graphs
 from vllm_graft.vllm.chain_drafting import ChainDrafting
 from vllm_graft.vllm.config import GraftSettings, TokenizerRef
 from vllm_graft.vllm.draft_records import HostRows, PendingTree, SettledRows, ShadowChain
@@ -139,6 +140,8 @@ class GraftTreeDrafting(ChainDrafting, DraftingAdmission, DrafterForwards):
         self.plain_steps: dict[str, int] = {}
         self.max_model_len = vllm_config.model_config.max_model_len
         self.forward_timer = SpanTimer(device)  # head forwards (for the overhead metrics)
+        # on a GPU, the draft loop in CUDA graphs (one per batch size, self-checked)
+        self.draft_graphs = draft_graphs.install(self, vllm_config, device)
         # the drafter's catch-up (its forwards included); outside tree steps it serves
         # only trees to come, and budget "auto" charges it to them
         # (StepProposal.tree_preparation)
