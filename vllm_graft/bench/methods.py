@@ -146,6 +146,13 @@ def methods(budget: int, chain_tokens: int = 5, dflash_block: int = 8) -> dict[s
         "graft_chain": _one_mode("graft_chain", "chain",
                                  "copy chains only: context copies continued by the "
                                  "successor matrix, no drafter", budget),
+        "graft_chain_shared": Method(
+            "graft_chain_shared", "graft",
+            graft={"variant": "graft", **_auto(budget), "guard_modes": ["chain"],
+                   "isolation": "global"},
+            uses_retrieval=True,
+            note="diagnostic: copy chains only, every request copying from the others' "
+                 "outputs (isolation global)"),
         "graft_tree": _one_mode("graft_tree", "tree",
                                 "diagnostic: a hybrid tree every step, sized by budget "
                                 "\"auto\" (its tree mode alone)", budget),
