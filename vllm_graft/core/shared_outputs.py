@@ -122,9 +122,10 @@ class PeerOutputs:
         taken: set[tuple[int, int]] = set()  # (peer, end): found at a longer length
         for n in range(min(self.max_ngram, len(suffix)),
                        max(self.min_ngram, longer_than + 1) - 1, -1):
+            key = tuple(suffix[len(suffix) - n:])  # one key for every peer's table
             for peer, (index, output_start) in enumerate(self.peers):
                 tokens = index.tokens
-                for end in reversed(index._table.lookup(suffix, n)):
+                for end in reversed(index._table.get(key)):
                     if end < output_start or end >= len(tokens) - 1 or (peer, end) in taken:
                         continue
                     taken.add((peer, end))
