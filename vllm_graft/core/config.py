@@ -399,8 +399,9 @@ class GraftConfig(BaseModel):
     cuda_graphs: bool = Field(
         True, description="on GPUs, run the target under vLLM's piecewise CUDA graphs "
         "(tree attention runs eagerly between the captured pieces; the first tree steps "
-        "are checked against eager forwards, and any difference turns the graphs off); "
-        "false: eager mode")
+        "are checked against eager forwards, and any difference turns the graphs off) "
+        "and the drafter's draft loop as one CUDA graph per batch size (its first replays "
+        "checked the same way); false: eager mode")
     max_consecutive_errors: int = Field(
         16, ge=1, le=1_000_000, description="steps in a row with a failure in Graft's hooks "
         "(each decoded plainly) after which Graft turns itself off for the engine")
