@@ -241,8 +241,12 @@ def test_a_two_percent_biased_acceptance_fails_the_same_test(tiny_models, plain_
     per_level_walks_only(monkeypatch)
     counts = collections.Counter()
     monkeypatch.setattr(sampling_module, "walk_tree", _counting_biased_walk(counts))
-    got, _ = sample(tiny_models.sharp, graft_spec(tiny_models.sharp_head, budget=60),
-                    SETTINGS[CONTROL_SETTING], seed=3, samples=CONTROL_SAMPLES)
+    # no copies from other requests' outputs: the same prompt's other samples would be
+    # the first child, and accepting a sample of the plain distribution unchecked is
+    # (nearly) no bias; the control is about the drafter's children
+    spec = graft_spec(tiny_models.sharp_head, budget=60, context={"cross_request": False})
+    got, _ = sample(tiny_models.sharp, spec, SETTINGS[CONTROL_SETTING], seed=3,
+                    samples=CONTROL_SAMPLES)
     # the bias acted, at its rate: at most one change per 50 levels (not every level
     # has children, nor is the first child always other than the sample)
     assert 0.2 * CONTROL_RATE < counts["changed"] / counts["levels"] < CONTROL_RATE, counts
