@@ -44,7 +44,7 @@ def graphs_state(worker) -> dict:
             "off": graphs.off_reason, "sizes": sorted(graphs.loops)}
 
 
-def built_trees(tiny_models, monkeypatch, graph=None):
+def built_trees(tiny_models, monkeypatch, graph=None, require_kernel=False):
     """The trees of a greedy run with the fused build's wait-free draft loop (as on a
     GPU), through the draft graphs when ``graph`` is a stand-in class; and the graphs'
     state."""
@@ -68,7 +68,8 @@ def built_trees(tiny_models, monkeypatch, graph=None):
     def install_on_cpu(drafting, vllm_config, device):
         fused = drafting.tree_builder.fused
         fused.draft_loop = draft_graphs.DraftLoopGraphs(
-            fused, drafting, capture=lambda fn, pool: graph(fn), require_kernel=False)
+            fused, drafting, capture=lambda fn, pool: graph(fn),
+            require_kernel=require_kernel)
         return fused.draft_loop
 
     with monkeypatch.context() as patch:
@@ -108,3 +109,13 @@ def test_a_graph_that_skips_the_rounds_work_is_caught(tiny_models, monkeypatch):
     assert state["off"] is not None and "unlike an eager run" in state["off"], state
     assert state["replays"] == 1 and state["sizes"] == [], state
     assert_same_trees(idle, eager)  # the check's eager run stood in for the replay
+
+
+def test_a_loop_whose_layers_take_the_sdpa_path_is_never_captured(tiny_models, monkeypatch):
+    # the CPU has no tree kernel: every drafter layer takes the SDPA path, whose lengths
+    # a captured loop would keep from its capture
+    eager, _ = built_trees(tiny_models, monkeypatch)
+    kept, state = built_trees(tiny_models, monkeypatch, RerunGraph, require_kernel=True)
+    assert state["off"] is not None and "SDPA path" in state["off"], state
+    assert state["captures"] == 0 and state["replays"] == 0, state
+    assert_same_trees(kept, eager)

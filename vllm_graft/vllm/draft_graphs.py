@@ -62,9 +62,9 @@ class StaticDraftInputs:
     def like(cls, roots: torch.Tensor, drafter: TreeExpansion) -> StaticDraftInputs:
         values, ids = drafter.root_logprobs
         hidden = None if drafter.root_hidden is None else drafter.root_hidden.clone()
-        expansion = TreeExpansion(
+        expansion = TreeExpansion(  # its positions from the host's copy: no device read
             drafter.proposer, root_logprobs=(values.clone(), ids.clone()),
-            root_hidden=hidden, root_positions=drafter.root_positions.clone(),
+            root_hidden=hidden, root_positions=torch.tensor(drafter.root_positions_host),
             block_tables=drafter.block_tables.clone(),
             slot_tables=drafter.slot_tables.clone(), kv_layout=drafter.kv_layout)
         return cls(roots=roots.clone(), expansion=expansion)
@@ -159,12 +159,10 @@ class DraftLoopGraphs:
         """The round eagerly on new static tensors (its result stands), then, if every
         drafter layer ran the kernel, the loop captured on them."""
         inputs = StaticDraftInputs.like(roots, drafter)
-        inputs.load(roots, drafter)
-        sdpa = _SdpaWatch()
-        with sdpa:
-            self.fused.draft(inputs.roots, inputs.expansion, buffers)
-        if sdpa.layers and self.require_kernel:
-            self.turn_off(f"{sdpa.layers} drafter attention layers ran the SDPA path (the "
+        self.fused.draft(inputs.roots, inputs.expansion, buffers)
+        sdpa_layers = inputs.expansion.sdpa_layers
+        if sdpa_layers and self.require_kernel:
+            self.turn_off(f"{sdpa_layers} drafter attention layers ran the SDPA path (the "
                           "tree kernel is off or refused this cache layout): a captured "
                           "loop would keep the lengths of its capture")
             return
@@ -202,28 +200,6 @@ class DraftLoopGraphs:
                          "eagerly from now on: %s", reason)
         self.off_reason = reason
         self.loops.clear()
-
-
-class _SdpaWatch(contextlib.AbstractContextManager):
-    """Counts the drafter attention layers that took the SDPA path while active."""
-
-    def __enter__(self):
-        from vllm_graft.vllm import tree_attention
-
-        self.layers = 0
-        self._module = tree_attention
-        self._original = tree_attention.sdpa_tree_rows
-
-        def counting(*args, **kwargs):
-            self.layers += 1
-            return self._original(*args, **kwargs)
-
-        tree_attention.sdpa_tree_rows = counting
-        return self
-
-    def __exit__(self, *exc):
-        self._module.sdpa_tree_rows = self._original
-        return False
 
 
 @contextlib.contextmanager

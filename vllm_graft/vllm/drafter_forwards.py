@@ -227,17 +227,24 @@ class TreeExpansion:
 
     def __init__(self, proposer: DrafterForwards, *, root_logprobs, root_hidden,
                  root_positions: torch.Tensor, block_tables: torch.Tensor,
-                 slot_tables: torch.Tensor | None = None, kv_layout=None):
+                 slot_tables: torch.Tensor | None = None, kv_layout=None,
+                 allocated_slots: list[int] | None = None):
         self.proposer = proposer
         self.root_logprobs = root_logprobs  # ([D, top_k], [D, top_k])
         self.root_hidden = root_hidden  # [D, H], None for drafters without hidden input
         self.root_positions = root_positions.to(proposer.device)  # [D]
         self.root_positions_host = root_positions.tolist()  # read per request, no sync
         self.prefix_lens = self.root_positions + proposer.PREFIX_EXTRA  # [D]
+        self.prefix_lens_host = [p + proposer.PREFIX_EXTRA for p in self.root_positions_host]
         self.block_tables = block_tables  # [D, max_blocks] kernel-block ids
         # manager-block ids ([D, max_blocks]) when the rows go to the cache, else None,
-        # and the :class:`~vllm_graft.vllm.kv_blocks.PagedKVLayout` that makes slots of them
-        self.slot_tables, self.kv_layout = slot_tables, kv_layout
+        # and the :class:`~vllm_graft.vllm.kv_blocks.PagedKVLayout` that makes slots of
+        # them; ``allocated_slots`` (per request, None: known to fit) decides
+        in_cache = slot_tables is not None and self.ROWS_IN_CACHE and (
+            allocated_slots is None or self.fits_in_cache(
+                self.prefix_lens_host, proposer.draft_rows_per_request, allocated_slots))
+        self.slot_tables = slot_tables if in_cache else None
+        self.kv_layout = kv_layout
         self.reset()
 
     def reset(self) -> None:
@@ -245,6 +252,7 @@ class TreeExpansion:
         self.store = TreeKVStore() if self.slot_tables is None else None
         self.hidden_rows: list[torch.Tensor] = []  # pre-norm outputs, in row order
         self.rows_so_far = 0  # rows of every forward so far (the hidden rows' numbering)
+        self.sdpa_layers = 0  # drafter layers whose tree rows took the SDPA path
         self.row_of_slot: torch.Tensor | None = None  # [D, pool] row or -1
         self.expanded: list[torch.Tensor] = []  # per step: [D, W] expanded slots
 
@@ -260,14 +268,14 @@ class TreeExpansion:
             return values[step.active].unsqueeze(1), ids[step.active].unsqueeze(1)
         return self._expand(step)
 
-    def _visible_earlier(self, step: DraftStep, active: torch.Tensor) -> torch.Tensor:
-        """``[A, W, C]``: which of the request's ``C`` earlier tree rows (the slots the
-        earlier steps expanded, step after step) each node of this step sees: its
-        ancestors. Nodes expanded at step ``s`` sit at depth ``s``, so the ancestor walk
-        needs no read of the device."""
+    def _visible_earlier(self, step: DraftStep, active: torch.Tensor,
+                         earlier: torch.Tensor) -> torch.Tensor:
+        """``[A, W, C]``: which of the request's ``C`` earlier tree rows (``earlier``
+        ``[A, C]``: the slots the earlier steps expanded, step after step) each node of
+        this step sees: its ancestors. Nodes expanded at step ``s`` sit at depth ``s``,
+        so the ancestor walk needs no read of the device."""
         slots = step.node_ids
         ancestors = ancestor_ids(step.pool.parents[active], slots, step.step)  # [A, W, s]
-        earlier = torch.cat(self.expanded, dim=1)[active]  # [A, C]
         same = ancestors.unsqueeze(-1) == earlier[:, None, None, :]  # [A, W, s, C]
         return same.any(dim=2) & (earlier >= 0).unsqueeze(1)
 
@@ -298,48 +306,45 @@ class TreeExpansion:
             hidden = hidden.reshape(num_active * width, -1)
 
         earlier = width * (step.step - 1)  # each request's rows of the earlier steps
-        visible = self._visible_earlier(step, active) if self.expanded else torch.zeros(
-            (num_active, width, 0), dtype=torch.bool, device=device)
+        earlier_slots = torch.cat(self.expanded, dim=1)[active] if self.expanded \
+            else torch.empty((num_active, 0), dtype=torch.long, device=device)  # [A, C]
+        visible = self._visible_earlier(step, active, earlier_slots) if self.expanded \
+            else earlier_slots.new_zeros((num_active, width, 0), dtype=torch.bool)
         eye = torch.eye(width, dtype=torch.bool, device=device).expand(num_active, -1, -1)
         mask = torch.cat([visible, eye], dim=2)  # [A, W, C + W]
         # the full batch needs no read of the device (the fused build's wait-free path)
         requests = range(num_active) if num_active == len(self.root_positions_host) \
             else active.tolist()
         first_row = self.rows_so_far
-        if self.store is None:  # cache mode
+        if self.store is None:  # cache mode: the earlier rows in the cache after the prefix
+            where = [{"cached_tree_rows": earlier}] * num_active
+        else:  # store mode: the earlier rows by their rows in the store
+            context_rows = self.row_of_slot[active].gather(1, earlier_slots.clamp(min=0))
+            where = [{"context_rows": rows} for rows in context_rows]
+        plan = TreeAttentionPlan(
+            requests=[TreeRequestPlan(query_start=a * width, num_rows=width,
+                                      prefix_len=self.prefix_lens_host[b],
+                                      block_table=self.block_tables[b], mask=mask[a],
+                                      **where[a]) for a, b in enumerate(requests)],
+            replace_all=True)
+        if self.store is None:
             cache_positions = (self.prefix_lens[active].unsqueeze(1) + earlier
                                + torch.arange(width, device=device))
-            plan = TreeAttentionPlan(
-                requests=[TreeRequestPlan(
-                    query_start=a * width, num_rows=width,
-                    prefix_len=self.root_positions_host[b] + proposer.PREFIX_EXTRA,
-                    block_table=self.block_tables[b], mask=mask[a], cached_tree_rows=earlier)
-                    for a, b in enumerate(requests)],
-                replace_all=True,
-                write_slots=self.kv_layout.slots(self.slot_tables[active],
-                                                 cache_positions).reshape(-1))
-            plan.kernel_batch = KernelBatch.uniform(self.block_tables[active],
-                                                    self.prefix_lens[active], mask) \
-                if device.type == "cuda" else None
+            plan.write_slots = self.kv_layout.slots(self.slot_tables[active],
+                                                    cache_positions).reshape(-1)
+            if device.type == "cuda":
+                plan.kernel_batch = KernelBatch.uniform(self.block_tables[active],
+                                                        self.prefix_lens[active], mask)
         else:
-            # earlier rows of this request, by their rows in the store
-            context_rows = self.row_of_slot[active].gather(
-                1, torch.cat(self.expanded, dim=1)[active].clamp(min=0)) if self.expanded \
-                else torch.empty((num_active, 0), dtype=torch.long, device=device)
-            plan = TreeAttentionPlan(
-                requests=[TreeRequestPlan(
-                    query_start=a * width, num_rows=width,
-                    prefix_len=self.root_positions_host[b] + proposer.PREFIX_EXTRA,
-                    block_table=self.block_tables[b], mask=mask[a],
-                    context_rows=context_rows[a]) for a, b in enumerate(requests)],
-                store=self.store, replace_all=True,
-                store_rows=torch.arange(num_active * width, device=device))
+            plan.store = self.store
+            plan.store_rows = torch.arange(num_active * width, device=device)
         with proposer.forward_timer.span(), active_plan(plan), set_forward_context(
                 {name: None for name in proposer._draft_attn_layer_names},
                 proposer.vllm_config, num_tokens=num_active * width, slot_mapping={}):
             last_hidden, next_hidden = proposer._forward(
                 tokens.reshape(-1).to(torch.int32), positions, hidden)
         self.rows_so_far += num_active * width
+        self.sdpa_layers += plan.sdpa_layers
         if self.store is not None:
             self.store.num_rows = self.rows_so_far
         if next_hidden is not None:

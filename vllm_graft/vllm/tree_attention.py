@@ -125,6 +125,7 @@ class TreeAttentionPlan:
     # drafter's rows in cache mode, whose forward passes vLLM no slot mapping)
     write_slots: torch.Tensor | None = None
     seconds: float = 0.0  # time spent recomputing tree rows (for the overhead metrics)
+    sdpa_layers: int = 0  # layers whose tree rows took the SDPA path, not the kernel
     kernel_batch: KernelBatch | None = None  # the kernel's inputs, built at first use
     layers: dict[str, object] = field(default_factory=dict)  # attention layers it ran in
 
@@ -406,6 +407,7 @@ def tree_attention_forward(original, impl, layer, query, key, value, kv_cache,
     if views is not None:
         kernel_tree_rows(plan, query, views, impl.scale, out_view)
     else:
+        plan.sdpa_layers += 1
         sdpa_tree_rows(plan, layer.layer_name, query, key, value, kv_cache, read_paged_kv,
                        impl.scale, out_view)
     if not query.is_cuda:  # on a GPU this is part of the forward (timing it per layer

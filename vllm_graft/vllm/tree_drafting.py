@@ -280,16 +280,13 @@ class GraftTreeDrafting(ChainDrafting, DraftingAdmission, DrafterForwards):
                                       dtype=torch.long)
             layout = self._kv_layout(runner)
             manager_tables = self._block_table(runner)[batch_rows.to(self.device)]
-            in_cache = TreeExpansion.ROWS_IN_CACHE and TreeExpansion.fits_in_cache(
-                [p + self.PREFIX_EXTRA for p in root_positions.tolist()],
-                self.draft_rows_per_request,
-                layout.allocated_slots(runner, batch_rows.numpy()).tolist())
             expander = TreeExpansion(
                 self, root_logprobs=self._top_k(last_hidden[last_rows[index]]),
                 root_hidden=None if next_hidden is None else next_hidden[last_rows[index]],
                 root_positions=root_positions,
                 block_tables=layout.kernel_block_table(manager_tables),
-                slot_tables=manager_tables if in_cache else None, kv_layout=layout)
+                slot_tables=manager_tables, kv_layout=layout,
+                allocated_slots=layout.allocated_slots(runner, batch_rows.numpy()).tolist())
         context = None
         drafting_ids = [req_ids[settled[i].batch_row] for i in drafting]
         partitions = self.partitions(runner, drafting_ids)
