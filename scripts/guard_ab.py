@@ -24,8 +24,8 @@ Usage, with a job file a sweep wrote (``OUT/jobs/graft_auto-batch8.job.json``)::
         [--datasets humaneval]
 
 ``--guard NAME=VALUE`` sets a throughput-guard field for the auto runs (a number; 0 or
-1 for a switch such as ``credit_median``), to
-compare guard settings run against run; ``--datasets`` keeps only the named datasets of
+1 for a switch such as ``scout_new_batches``; a name for a choice such as
+``credit=sum``), to compare guard settings run against run; ``--datasets`` keeps only the named datasets of
 the job (more rounds of one dataset in the same time). Writes ``DIR/guard_ab.json`` and
 prints a summary: per dataset the auto runs' speed over the plain runs', round by round,
 with the geometric mean and its 95 % bootstrap interval, and the steps the guard ran in
@@ -93,13 +93,14 @@ def switch(value: float) -> bool:
 
 
 def parse_guard(items: list[str]) -> dict:
-    """``NAME=VALUE`` pairs of numeric throughput-guard fields, refused before any
-    engine starts when a name is no such field or a value is out of its range."""
+    """``NAME=VALUE`` pairs of throughput-guard settings (numbers, switches, choices),
+    refused before any engine starts when a name is no such field or a value is out of
+    its range."""
     import dataclasses
 
     from vllm_graft.core.budget import ThroughputGuard
 
-    kinds = {"int": int, "float": float, "float | None": float, "bool": switch}
+    kinds = {"int": int, "float": float, "float | None": float, "bool": switch, "str": str}
     state = {"steps", "measuring"}  # what the guard keeps as it runs, no setting
     numeric = {field.name: kinds[field.type] for field in dataclasses.fields(ThroughputGuard)
                if field.type in kinds and field.name not in state}
@@ -109,10 +110,10 @@ def parse_guard(items: list[str]) -> dict:
         if not sep:
             raise SystemExit(f"--guard takes NAME=VALUE, got {item!r}")
         if name not in numeric:
-            raise SystemExit(f"--guard: {name!r} is not a numeric throughput-guard field "
+            raise SystemExit(f"--guard: {name!r} is not a throughput-guard setting "
                              f"(one of {', '.join(sorted(numeric))})")
         try:
-            settings[name] = numeric[name](float(value))
+            settings[name] = value if numeric[name] is str else numeric[name](float(value))
         except ValueError:
             wanted = "0 or 1" if numeric[name] is switch else "a number"
             raise SystemExit(f"--guard: {name} takes {wanted}, got {value!r}") from None

@@ -813,35 +813,66 @@ def test_one_stalled_step_does_not_hold_a_faster_mode_down(outlier_steps, chains
         ThroughputGuard(outlier_steps=1.0)
 
 
-@pytest.mark.parametrize("credit_median, rows, chains_win", [
-    (True, [5, 5, 1, 1, 1, 1, 1, 1], False),  # two requests gain: the batch does not
-    (False, [5, 5, 1, 1, 1, 1, 1, 1], True),  # summed, 16 tokens look 1.54x plain
-    (True, [2, 2, 2, 2, 2, 2, 2, 1], True),  # the typical request gains
+@pytest.mark.parametrize("credit, rotating, chains_win", [
+    ("progress", False, False),  # the same two requests gain every step: the batch not
+    ("progress", True, True),  # the gains move among all eight: the batch gains them
+    ("median", True, False),  # a step's median request emits one token, rotating or not
+    ("sum", False, True),  # summed, 16 tokens look 1.54x plain however they fall
 ])
-def test_a_batch_speculates_where_its_median_request_gains(credit_median, rows, chains_win):
-    """At batch 8 a chain step takes 1.3 plain steps. Where two requests emit 5 tokens
-    and six emit one, the summed 16 tokens are 1.54x plain decoding's rate, but the
-    median request emits one token at a dearer step: credited so, chains measure 0.77x
-    plain and the guard decodes plainly; summed, it runs chains. Where every request but
-    one emits two tokens, chains win either way."""
+def test_a_batch_speculates_where_its_requests_progress(credit, rotating, chains_win):
+    """At batch 8 a chain step takes 1.3 plain steps, and two requests emit 5 tokens in
+    it while six emit one: the summed 16 tokens are 1.54x plain decoding's rate. Where
+    the same two gain every step, the batch waits for the other six: crediting the
+    median request's progress, chains measure 0.77x plain and the guard decodes
+    plainly. Where the two gaining requests change from step to step, every request
+    gains 4 tokens in 4 steps, the median one too, and chains run. The step's median
+    request alone (``median``) sees one token either way; the sum sees 16 either way."""
     from vllm_graft.core.budget import ThroughputGuard
     from vllm_graft.core.config import StepMode
 
     chain, plain = StepMode.CHAIN, StepMode.PLAIN
-    guard = ThroughputGuard(modes=(chain, plain), credit_median=credit_median)
+    guard = ThroughputGuard(modes=(chain, plain), credit=credit)
+    ids = [f"r{i}" for i in range(8)]
     modes = []
-    for _ in range(300):
+    for step in range(300):
         mode = guard.choose(8)
         modes.append(mode)
+        rows = [1] * 8
         if mode is chain:
-            guard.observe(chain, 8, guard.credited_tokens(rows), seconds=0.013)
-        else:
-            guard.observe(plain, 8, guard.credited_tokens([1] * 8), seconds=0.010)
+            first = 2 * (step % 4) if rotating else 0
+            rows[first] = rows[first + 1] = 5
+        seconds = 0.013 if mode is chain else 0.010
+        guard.observe(mode, 8, guard.credited_tokens(rows, ids), seconds=seconds)
+        guard.advance(ids, rows)
     assert (guard.preferred(8) is chain) == chains_win
     share = modes[100:].count(chain) / len(modes[100:])
     assert share > 0.85 if chains_win else share < 0.1, share
+
+
+def test_the_median_requests_progress_is_credited():
+    """``progress`` credits one token a request plus what the step adds to the median
+    request's gain since it joined: new requests (or none named) start from none, a
+    plain step adds nothing, one request alone is credited its own tokens, and a request
+    missing from a step is forgotten."""
+    from vllm_graft.core.budget import ThroughputGuard
+
+    guard = ThroughputGuard()
+    ids = ["a", "b", "c"]
+    assert guard.credited_tokens([4, 1, 1], ids) == 3.0  # the median request gained none
+    assert guard.credited_tokens([4, 3, 1]) == 3 * 3.0  # fresh: the step's median, 3
+    guard.advance(ids, [4, 1, 1])
+    assert guard.gains == {"a": 3.0, "b": 0.0, "c": 0.0}
+    # b catches up with a: the median gain moves from 0 to 3
+    assert guard.credited_tokens([1, 4, 1], ids) == 3 * (1.0 + 3.0)
+    assert guard.credited_tokens([1, 1, 1], ids) == 3.0
+    guard.advance(["b", "c", "d"], [4, 1, 1])  # a left, d joined
+    assert guard.gains == {"b": 3.0, "c": 0.0, "d": 0.0}
     assert guard.credited_tokens([3]) == 3.0  # one request: its own tokens
     assert guard.credited_tokens([]) == 0.0
+    assert ThroughputGuard(credit="median").credited_tokens([4, 3, 1], ids) == 9.0
+    assert ThroughputGuard(credit="sum").credited_tokens([4, 3, 1], ids) == 8.0
+    with pytest.raises(ValueError, match="credit"):
+        ThroughputGuard(credit="mean")
 
 
 @pytest.mark.parametrize("batch, batch_charge, chains_win", [

@@ -54,8 +54,11 @@ class AlternatingGuard:
     def counted_seconds(self, mode, batch: int, seconds: float) -> float:
         return seconds
 
-    def credited_tokens(self, row_tokens: list[int]) -> float:
+    def credited_tokens(self, row_tokens: list[int], req_ids=None) -> float:
         return float(sum(row_tokens))
+
+    def advance(self, req_ids, row_tokens) -> None:
+        pass
 
     def observe(self, *args) -> None:
         pass

@@ -4,6 +4,8 @@ default: docs/design-log.md#throughput-guard."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -34,9 +36,12 @@ class GuardConfig(BaseModel):
     outlier_steps: float | None = Field(
         3.0, gt=1, le=1000, description="the longest a step counts as, in its mode's mean "
         "steps at the batch size (null: as long as it took)")
-    credit_median: bool = Field(
-        True, description="a step at several requests counts its median request's tokens "
-        "times the requests (false: their sum)")
+    credit: Literal["progress", "median", "sum"] = Field(
+        "progress", description="what a step at several requests counts as emitting: "
+        "'progress', the requests times one token plus what the step added to the median "
+        "request's speculative gain since it joined (gains that stay with a few requests "
+        "count little, gains that move among them all count whole); 'median', the "
+        "requests times the step's median request's tokens; 'sum', their sum")
     batch_charge: float = Field(
         0.1, ge=0, le=10, description="extra share of its time a speculative step at "
         "several requests counts (requests drifting apart cost the batch outside steps)")

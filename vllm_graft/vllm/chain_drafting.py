@@ -42,6 +42,9 @@ class ChainDrafting:
             self._mark_verified(req_id, kept)
             nodes += kept
         proposal.chains = (len(drafting), nodes)
+        if proposal.choice is not None and self.guard is not None:
+            proposal.predicted_credit = self.predicted_credit(
+                proposal.choice, self._credit_order(runner, settled, drafting))
 
     def _build_chains(self, runner, settled: list[SettledRows], drafting: list[int]
                       ) -> tuple[HostChains, Choice | None, int]:
@@ -116,20 +119,30 @@ class ChainDrafting:
             return False
         chains, choice, trials = self._build_chains(runner, settled, drafting)
         proposal.shadow_trials += trials
-        if not self.scout.promising(self.predicted_credit(choice, len(settled)),
-                                    choice.step_ms, rate):
+        credit = self.predicted_credit(choice, self._credit_order(runner, settled, drafting))
+        if not self.scout.promising(credit, choice.step_ms, rate):
             return False
         proposal.scouted = (settled, [settled[i].batch_row for i in drafting], chains, choice)
         return True
 
-    def predicted_credit(self, choice: Choice, batch: int) -> float:
-        """The tokens the throughput guard will credit a chain step of ``batch`` requests
-        with, as ``choice`` predicts them: the median request's times the batch
+    @staticmethod
+    def _credit_order(runner, settled: list[SettledRows], drafting: list[int]) -> list[str]:
+        """The step's requests in the order of a chain choice's
+        :meth:`~vllm_graft.core.budget.Choice.tokens_by_request`: the drafting ones
+        first, then the others."""
+        req_ids = runner.input_batch.req_ids
+        chosen = set(drafting)
+        order = drafting + [i for i in range(len(settled)) if i not in chosen]
+        return [req_ids[settled[i].batch_row] for i in order]
+
+    def predicted_credit(self, choice: Choice, req_ids: list[str]) -> float:
+        """The tokens the throughput guard will credit a chain step of the requests
+        ``req_ids`` (in :meth:`_credit_order`) with, as ``choice`` predicts them
         (:meth:`ThroughputGuard.credited_tokens`), not the requests' sum. Predicting
         the sum, the scout fired on a batch where a few requests copied and the median
         one could gain nothing: one chain step a run on gsm8k at batch 32, at 1.5 plain
         steps' time, each emitting one token for most requests (a 2-core CPU). A choice
         that kept no tokens per request (a tree's) is predicted by its sum."""
         if choice.request_tokens is None:
-            return choice.step_tokens(batch)
-        return self.guard.credited_tokens(choice.tokens_by_request(batch))
+            return choice.step_tokens(len(req_ids))
+        return self.guard.credited_tokens(choice.tokens_by_request(len(req_ids)), req_ids)

@@ -33,6 +33,8 @@ class StepProposal:
     drafts: each persistent-batch row's draft tokens, for the scheduler
     build: the tree build's facts (None: no tree built); chains: copy chains built and
         their nodes (None: none); choice: budget "auto"'s sizing of the round
+    predicted_credit: what the guard was predicted to credit a chain round's step with
+        (:meth:`ChainDrafting.predicted_credit`), for the scout's correction
     shadow_trials: chain nodes the acceptance model learned from shadows this round
     tree_preparation: seconds of the drafter's catch-up that served only trees to come
         (a round that was no tree round but fed the drafter), charged to trees when the
@@ -47,6 +49,7 @@ class StepProposal:
     build: BuildStats | None = None
     chains: tuple[int, int] | None = None
     choice: Choice | None = None
+    predicted_credit: float | None = None
     shadow_trials: int = 0
     tree_preparation: float = 0.0
     #: the chains the scout built to decide (settled rows, drafting batch rows, chains,

@@ -227,24 +227,27 @@ def _observe_step(runner, scheduler_output, settled: list[SettledRows] | None,
     scheduled = scheduler_output.num_scheduled_tokens
     if proposer.guard is not None and preparation and scheduled:
         proposer.guard.charge(StepMode.TREE, len(scheduled), preparation)
+    req_ids, emitted = _emitted_tokens(runner, scheduled, settled)
+    credited = None if proposer.guard is None \
+        else proposer.guard.credited_tokens(emitted, req_ids)
+    if proposer.guard is not None:  # every step, prefill or not, moves the gains
+        proposer.guard.advance(req_ids, emitted)
     prefill = any(count - len(spec.get(req_id, ())) > 1 for req_id, count in scheduled.items())
     if last is None or prefill or not scheduled:
         return
     mode, seconds = measured.ran, max(now - last - preparation, 0.0)
-    # without settled rows (no tree verified) every scheduled request emitted one token
-    batch = len(scheduled) if settled is None else len(settled)
+    batch = len(emitted)
     if proposer.guard is not None:
         guard = proposer.guard
-        credited = float(batch) if settled is None else guard.credited_tokens(
-            [len(s.next_tokens) for s in settled])  # the median request's, times the batch
         choice = measured.choice
-        if proposer.scout is not None and mode is StepMode.CHAIN and choice is not None:
+        if proposer.scout is not None and mode is StepMode.CHAIN \
+                and measured.predicted_credit is not None:
             # the scout's correction learns how the sizer's predictions, credited as the
             # guard credits a step, fare as the guard counts them (a batch's chain step
             # charged, a stall capped)
             counted = guard.counted_seconds(mode, batch, seconds)
-            proposer.scout.observe(proposer.predicted_credit(choice, batch), choice.step_ms,
-                                   credited, counted)
+            proposer.scout.observe(measured.predicted_credit, choice.step_ms, credited,
+                                   counted)
             if measured.scout_replaced is not None:
                 proposer.scout.fired_step(gained=fired_step_gained(
                     guard, measured.scout_replaced, batch, credited, counted))
@@ -256,6 +259,18 @@ def _observe_step(runner, scheduler_output, settled: list[SettledRows] | None,
         if cost.steps.observed % LOG_STEP_COSTS_EVERY == 0 and cost.steps.observed:
             logger.info("Graft: step costs besides the forward, learned over %d steps: %s",
                         cost.steps.observed, cost.steps.describe())
+
+
+def _emitted_tokens(runner, scheduled: dict[str, int], settled: list[SettledRows] | None
+                    ) -> tuple[list[str], list[int]]:
+    """The step's requests and the decoding tokens each emitted (a prompt chunk's row
+    counts one): without settled rows (no tree verified) every scheduled request
+    emitted one."""
+    if settled is None:
+        return list(scheduled), [1] * len(scheduled)
+    req_ids = runner.input_batch.req_ids
+    return ([req_ids[s.batch_row] for s in settled],
+            [len(s.next_tokens) if s.decoding else 1 for s in settled])
 
 
 #: measured decoding steps between two log lines of what budget "auto" learned they cost

@@ -56,8 +56,8 @@ class ThroughputGuard:
     their mean), a slower mode only once the steps since its last run pay
     ``probe_share`` for its loss, and plain decoding whenever its last step is over
     ``plain_refresh`` steps old. A step counts at most ``outlier_steps`` mean steps, a
-    speculative one at several requests ``batch_charge`` more, and as many tokens as its
-    median request times the requests (``credit_median``). New text shrinks the chains'
+    speculative one at several requests ``batch_charge`` more, and as many tokens as
+    :meth:`credited_tokens` says (``credit``). New text shrinks the chains'
     record to ``text_steps`` (or drops it: ``scout_new_batches``); a record faded under
     :data:`FORGOTTEN` is dropped. Why: docs/design-log.md#throughput-guard.
     """
@@ -71,13 +71,16 @@ class ThroughputGuard:
     plain_refresh: int = _TUNING.plain_refresh
     probe_share: float | None = _TUNING.probe_share
     outlier_steps: float | None = _TUNING.outlier_steps
-    credit_median: bool = _TUNING.credit_median
+    credit: str = _TUNING.credit
     batch_charge: float = _TUNING.batch_charge
     text_steps: float = _TUNING.text_steps
     scout_new_batches: bool = _TUNING.scout_new_batches
     stats: dict[tuple[int, StepMode], _ModeStats] = field(default_factory=dict)
     measured: dict[tuple[int, StepMode], int] = field(default_factory=dict)
     first_seen: dict[int, int] = field(default_factory=dict)  # bucket: guard step
+    # per request of the last step, its speculative gain since it joined: tokens
+    # emitted beyond one a step (credit "progress")
+    gains: dict[str, float] = field(default_factory=dict)
     steps: int = 0
     measuring: bool = False  # the last choice was a first probe or a plain refresh
 
@@ -273,13 +276,31 @@ class ThroughputGuard:
         if factor > 1e-200:
             self.stats[key] = replace(stats, seconds=stats.seconds + seconds / factor)
 
-    def credited_tokens(self, row_tokens: list[int]) -> float:
-        """What a step whose requests emitted ``row_tokens`` (one count per request)
-        counts as: the median request's tokens times the requests (class doc); their
-        sum with ``credit_median`` off."""
-        if not self.credit_median or len(row_tokens) < 2:
+    def credited_tokens(self, row_tokens: list[float],
+                        req_ids: list[str] | None = None) -> float:
+        """What a step whose requests (``req_ids``, None: requests with no gain yet)
+        emitted ``row_tokens`` (one count per request) counts as, by ``credit``:
+        ``progress``, one token a request plus what the step adds to the median
+        request's speculative gain (:attr:`gains`, taken as :meth:`advance` will
+        leave them) times the requests; ``median``, the step's median request's tokens
+        times the requests; ``sum``, their sum. Why: docs/design-log.md#throughput-guard.
+        """
+        if self.credit == "sum" or len(row_tokens) < 2:
             return float(sum(row_tokens))
-        return float(statistics.median(row_tokens) * len(row_tokens))
+        if self.credit == "median":
+            return float(statistics.median(row_tokens) * len(row_tokens))
+        before = [0.0] * len(row_tokens) if req_ids is None \
+            else [self.gains.get(req_id, 0.0) for req_id in req_ids]
+        after = [gain + max(tokens - 1.0, 0.0) for gain, tokens in zip(before, row_tokens)]
+        return len(row_tokens) * (1.0 + statistics.median(after) - statistics.median(before))
+
+    def advance(self, req_ids: list[str], row_tokens: list[float]) -> None:
+        """The step that just ran: ``req_ids`` emitted ``row_tokens`` (decoding
+        tokens; a prompt chunk's row counts one). Their gains grow by the tokens beyond
+        one; requests not in the step are forgotten (a request that returns after a
+        preemption starts again from none)."""
+        self.gains = {req_id: self.gains.get(req_id, 0.0) + max(tokens - 1.0, 0.0)
+                      for req_id, tokens in zip(req_ids, row_tokens)}
 
     def observe(self, mode: StepMode, batch: int, tokens: float, seconds: float) -> None:
         """One decoding step (no prefill): ``tokens`` emitted by ``batch`` requests in
