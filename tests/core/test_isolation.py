@@ -200,3 +200,17 @@ def test_isolation_defaults_and_sources():
     for source in ("user", "cache_salt", "extra", "header:X-Graft-Tenant", "header:x"):
         assert GraftConfig.from_dict({"isolation": {"tenant_source": source}}
                                      ).isolation.tenant_source == source
+
+
+def test_the_default_count_of_matrices_holds_every_running_request_within_a_gib():
+    """Unset, ``max_matrices`` gives every running request a private matrix beside 16
+    tenants, but takes no more than 1 GiB on a rank (allocated before vLLM sizes its KV
+    cache) and keeps at least 17 matrices."""
+    from vllm_graft.core.isolation import default_max_matrices
+
+    qwen = 151_936 * 8 * 4  # a matrix at Qwen's vocabulary: 4.9 MB
+    assert default_max_matrices(8, qwen) == 24
+    assert default_max_matrices(1024, qwen) == 220  # not 1,040 (5 GB)
+    assert default_max_matrices(1024, qwen) * qwen <= 1 << 30
+    assert default_max_matrices(256, 49_152 * 8 * 4) == 272  # SmolLM2's: all fit
+    assert default_max_matrices(1024, 1 << 29) == 17  # huge matrices: 17 whatever they take

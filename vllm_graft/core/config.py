@@ -231,11 +231,13 @@ class IsolationConfig(BaseModel):
         "by tenant_source, a private one for a request naming none; request: one per "
         "request")
     max_matrices: int | None = Field(
-        None, ge=1, le=4096, description="matrices allocated at start-up (tenant, request "
-        "modes; default: the engine's max_num_seqs + 16, so every running request can "
-        "hold a private one beside 16 tenants); a request with a private matrix holds one "
-        "while it runs; beyond, the least recently used idle one is reset for the "
-        "newcomer, and a request finding every one held runs without retrieval")
+        None, ge=1, le=4096, description="matrices allocated at start-up on every rank "
+        "(tenant, request modes; default: the engine's max_num_seqs + 16, so every running "
+        "request can hold a private one beside 16 tenants, but no more than fit in 1 GiB "
+        "and at least 17; the start-up log says their memory); a request with a private "
+        "matrix holds one while it runs; beyond, the least recently used idle one is "
+        "reset for the newcomer, and a request finding every one held runs without "
+        "retrieval")
     tenant_field: str = Field(
         "graft_tenant", min_length=1, max_length=64, pattern="^graft_[a-z0-9_]+$",
         description="the request's extra argument that names its tenant (read with "

@@ -34,6 +34,20 @@ logger = logging.getLogger(__name__)
 
 #: partition of a request that got none (no retrieval, teaches nothing)
 NO_PARTITION = -1
+#: the most memory the default count of matrices takes (graft.isolation.max_matrices)
+DEFAULT_MATRICES_BYTES = 1 << 30
+#: matrices the default count keeps at least, whatever they take: 16 tenants and one more
+FEWEST_DEFAULT_MATRICES = 17
+
+
+def default_max_matrices(max_num_seqs: int, matrix_bytes: int) -> int:
+    """How many matrices ``max_matrices`` unset allocates: one per running request
+    (``max_num_seqs``) beside 16 tenants, at most as many as
+    :data:`DEFAULT_MATRICES_BYTES` holds (at least 17). Each rank allocates them all
+    before vLLM sizes its KV cache from what is left: a GPU server's 1,024 requests at
+    Qwen's vocabulary (4.9 MB a matrix) would have taken 5 GB of it."""
+    fit = DEFAULT_MATRICES_BYTES // max(matrix_bytes, 1)
+    return max(min(max_num_seqs + 16, fit), FEWEST_DEFAULT_MATRICES)
 
 
 class IsolationMode(str, Enum):

@@ -14,7 +14,7 @@ from vllm_graft.core.budget import ChainScout, ThroughputGuard, TreeSizer, conte
 from vllm_graft.core.config import StepMode, TreeShape
 from vllm_graft.core.context import ContextIndex, match_score, proposals_to_tensors
 from vllm_graft.core.graft import GraftTreeBuilder
-from vllm_graft.core.isolation import IsolationMode, MatrixPartitions
+from vllm_graft.core.isolation import IsolationMode, MatrixPartitions, default_max_matrices
 from vllm_graft.core.shared_outputs import PeerOutputs, RecentOutputsIndex
 from vllm_graft.core.successor import SuccessorMatrix
 from vllm_graft.vllm import draft_graphs
@@ -114,9 +114,14 @@ class GraftTreeDrafting(ChainDrafting, DraftingAdmission, DrafterForwards):
                         "attended with SDPA, not the tree kernel",
                         self.draft_rows_per_request + self.PREFIX_EXTRA, config.budget)
         # which matrix partition each request reads and teaches (graft.isolation)
+        matrix_bytes = matrix.partition(0).nbytes
         self.isolation = MatrixPartitions(
-            IsolationMode(config.isolation.mode), matrix,
-            config.isolation.max_matrices or vllm_config.scheduler_config.max_num_seqs + 16)
+            IsolationMode(config.isolation.mode), matrix, config.isolation.max_matrices
+            or default_max_matrices(vllm_config.scheduler_config.max_num_seqs, matrix_bytes))
+        if self.isolation.max_matrices > 1:
+            logger.info("Graft: %d successor matrices (graft.isolation.max_matrices) take "
+                        "%.0f MiB on this device", self.isolation.max_matrices,
+                        self.isolation.max_matrices * matrix_bytes / 2**20)
         self.tenant_field = config.isolation.tenant_field
         self.pending: dict[str, PendingTree] = {}
         if config.auto_size and not self.auto_size:
