@@ -94,6 +94,12 @@ def test_a_sweep_with_fresh_engines_each_round_says_so():
     lines = "\n".join(batch_section(data))
     assert "was started afresh for each round" in lines and "stayed alive" not in lines
     assert "Before each start (median seconds over its starts)" in lines
+    # only the engines that remember earlier requests started afresh: said of them alone
+    engines[0]["engine_starts"] = 1
+    engines[1]["method"] = "suffix"
+    lines = "\n".join(batch_section(data))
+    assert "stayed alive beside the others" in lines
+    assert "The engines of suffix were started afresh for each round" in lines
 
 
 def test_the_paired_interval_brackets_the_mean_and_narrows_with_more_rounds():

@@ -15,6 +15,11 @@ class Method:
     graft: dict = field(default_factory=dict)
     uses_retrieval: bool = False
     note: str = ""
+    #: its engine proposes the text of the requests it served to later ones (suffix
+    #: decoding's tree of responses; one matrix and the outputs shared by every request):
+    #: a sweep's later rounds of the same prompts would meet what it memorised, so each
+    #: round starts it afresh
+    remembers_requests: bool = False
 
     def speculative_config(self, head: str, warmup: str | None, calibration: str | None,
                            drafter: str = "eagle3",
@@ -89,7 +94,8 @@ def methods(budget: int, chain_tokens: int = 5, dflash_block: int = 8) -> dict[s
                                   f"{chain_tokens * 2} tokens"),
         "suffix": Method("suffix", "vllm", {"method": "suffix",
                                             "num_speculative_tokens": chain_tokens * 4},
-                         note="vLLM's suffix decoding (arctic-inference)"),
+                         note="vLLM's suffix decoding (arctic-inference)",
+                         remembers_requests=True),
         "dense_tree": Method("dense_tree", "graft", graft={"variant": "dense_tree",
                                                            "budget": budget},
                              note="EAGLE-3 dynamic tree"),
@@ -118,7 +124,8 @@ def methods(budget: int, chain_tokens: int = 5, dflash_block: int = 8) -> dict[s
             uses_retrieval=True,
             note="budget \"auto\" with every request sharing one matrix and copying from "
                  "each other's outputs (isolation global), as suffix decoding shares its "
-                 "tree; the default keeps a request that names no tenant private"),
+                 "tree; the default keeps a request that names no tenant private",
+            remembers_requests=True),
         "tail": Method("tail", "graft", graft={"variant": "tail", "budget": chain_tokens},
                        uses_retrieval=True,
                        note=f"Graft-TAIL: EAGLE-3 chain, unsure tail from the matrix, "
@@ -152,7 +159,8 @@ def methods(budget: int, chain_tokens: int = 5, dflash_block: int = 8) -> dict[s
                    "isolation": "global"},
             uses_retrieval=True,
             note="diagnostic: copy chains only, every request copying from the others' "
-                 "outputs (isolation global)"),
+                 "outputs (isolation global)",
+            remembers_requests=True),
         "graft_tree": _one_mode("graft_tree", "tree",
                                 "diagnostic: a hybrid tree every step, sized by budget "
                                 "\"auto\" (its tree mode alone)", budget),

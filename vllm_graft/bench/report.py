@@ -231,7 +231,7 @@ def batch_section(results: dict) -> list[str]:
                             if (name, 1) in speed and ("plain", 1) in speed else "n/a"))
     lines += noise_floor_lines({key: ratio(*key) for key in by if key[0] != "plain"})
     fresh = fresh_engines(results)
-    lines += rounds_lines(by, fresh)
+    lines += rounds_lines(by, fresh, renewed_engines(results))
     lines += step_split_lines(by)
     lines += guard_round_lines(by)
     lines += warmup_lines(results, fresh)
@@ -267,16 +267,23 @@ def noise_floor_lines(ratios: dict[tuple[str, int, str], float | None]) -> list[
     return lines
 
 
+def renewed_engines(results: dict) -> list[str]:
+    """The sweep's methods whose engines started again for every round."""
+    return sorted({r["method"] for r in results.get("batch_rows") or []
+                   if r["dataset"] == "_engine" and r.get("engine_starts", 1) > 1})
+
+
 def fresh_engines(results: dict) -> bool:
-    """Whether the sweep started its engines again for every round."""
-    return any(r.get("engine_starts", 1) > 1 for r in results.get("batch_rows") or []
-               if r["dataset"] == "_engine")
+    """Whether the sweep started every engine again for every round."""
+    engines = {r["method"] for r in results.get("batch_rows") or [] if r["dataset"] == "_engine"}
+    return bool(engines) and set(renewed_engines(results)) == engines
 
 
-def rounds_lines(by: dict, fresh: bool = False) -> list[str]:
+def rounds_lines(by: dict, fresh: bool = False, renewed: list[str] = ()) -> list[str]:
     """The interleaved sweep's rounds: how many, whether later rounds repeated the first
     one's greedy output, and the spread of each method's round-by-round ratio to plain
-    (round r of a method against round r of plain on the same dataset)."""
+    (round r of a method against round r of plain on the same dataset). ``renewed``:
+    the methods started again for every round where the others were not."""
     rounds = {len(r["round_tokens_per_s"]) for r in by.values() if "round_tokens_per_s" in r}
     if not rounds:
         return []
@@ -289,6 +296,10 @@ def rounds_lines(by: dict, fresh: bool = False) -> list[str]:
                  f"rotated order; tokens/s above are medians over the rounds. Greedy output "
                  f"repeated the first round's in every later round for {same} / {total} "
                  f"requests."]
+    if renewed and not fresh:
+        lines[-1] += (f" The engines of {', '.join(renewed)} were started afresh for each "
+                      "round: they propose what earlier requests generated, and a later "
+                      "round of the same prompts would find its answers there.")
     spreads = {}
     for (name, batch, dataset), row in by.items():
         base = by.get(("plain", batch, dataset))

@@ -132,7 +132,8 @@ def run_methods(config: BenchConfig, prompt_ids: dict[str, list], method_list,
     else:
         interleaved = run_engines_interleaved(
             config, {names[m.name]: method_spec(config, m, extra_graft) for m in method_list},
-            prompt_ids, max_model_len, rounds)
+            prompt_ids, max_model_len, rounds,
+            fresh_each_round={names[m.name] for m in method_list if m.remembers_requests})
         results = (interleaved[names[m.name]] for m in method_list)
     for method, result in zip(method_list, results):
         for dataset, data in result["datasets"].items():
