@@ -102,20 +102,20 @@ def parse_guard(items: list[str]) -> dict:
 
     kinds = {"int": int, "float": float, "float | None": float, "bool": switch, "str": str}
     state = {"steps", "measuring"}  # what the guard keeps as it runs, no setting
-    numeric = {field.name: kinds[field.type] for field in dataclasses.fields(ThroughputGuard)
+    settable = {field.name: kinds[field.type] for field in dataclasses.fields(ThroughputGuard)
                if field.type in kinds and field.name not in state}
     settings = {}
     for item in items:
         name, sep, value = item.partition("=")
         if not sep:
             raise SystemExit(f"--guard takes NAME=VALUE, got {item!r}")
-        if name not in numeric:
+        if name not in settable:
             raise SystemExit(f"--guard: {name!r} is not a throughput-guard setting "
-                             f"(one of {', '.join(sorted(numeric))})")
+                             f"(one of {', '.join(sorted(settable))})")
         try:
-            settings[name] = value if numeric[name] is str else numeric[name](float(value))
+            settings[name] = value if settable[name] is str else settable[name](float(value))
         except ValueError:
-            wanted = "0 or 1" if numeric[name] is switch else "a number"
+            wanted = "0 or 1" if settable[name] is switch else "a number"
             raise SystemExit(f"--guard: {name} takes {wanted}, got {value!r}") from None
     try:
         ThroughputGuard(**settings)

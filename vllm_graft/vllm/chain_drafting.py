@@ -25,10 +25,13 @@ class ChainDrafting:
         scouted, proposal.scouted = proposal.scouted, None
         rows = [settled[i].batch_row for i in drafting]
         if scouted is not None and scouted[0] is settled and scouted[1] == rows:
-            chains, proposal.choice = scouted[2], scouted[3]
+            chains, proposal.choice, proposal.predicted_credit = scouted[2:]
         else:
             chains, proposal.choice, trials = self._build_chains(runner, settled, drafting)
             proposal.shadow_trials += trials
+            if proposal.choice is not None and self.guard is not None:
+                proposal.predicted_credit = self.predicted_credit(
+                    proposal.choice, self._credit_order(runner, settled, drafting))
         chains = agree(chains)
         drafts = proposal.drafts
         tree = chains.to_tree()
@@ -42,9 +45,6 @@ class ChainDrafting:
             self._mark_verified(req_id, kept)
             nodes += kept
         proposal.chains = (len(drafting), nodes)
-        if proposal.choice is not None and self.guard is not None:
-            proposal.predicted_credit = self.predicted_credit(
-                proposal.choice, self._credit_order(runner, settled, drafting))
 
     def _build_chains(self, runner, settled: list[SettledRows], drafting: list[int]
                       ) -> tuple[HostChains, Choice | None, int]:
@@ -122,7 +122,8 @@ class ChainDrafting:
         credit = self.predicted_credit(choice, self._credit_order(runner, settled, drafting))
         if not self.scout.promising(credit, choice.step_ms, rate):
             return False
-        proposal.scouted = (settled, [settled[i].batch_row for i in drafting], chains, choice)
+        proposal.scouted = (settled, [settled[i].batch_row for i in drafting], chains, choice,
+                            credit)
         return True
 
     @staticmethod

@@ -53,7 +53,7 @@ class StepProposal:
     shadow_trials: int = 0
     tree_preparation: float = 0.0
     #: the chains the scout built to decide (settled rows, drafting batch rows, chains,
-    #: choice): a chain step it fires verifies these, built once
+    #: choice, predicted credit): a chain step it fires verifies these, built once
     scouted: tuple | None = None
 
 

@@ -228,12 +228,13 @@ def _observe_step(runner, scheduler_output, settled: list[SettledRows] | None,
     if proposer.guard is not None and preparation and scheduled:
         proposer.guard.charge(StepMode.TREE, len(scheduled), preparation)
     req_ids, emitted = _emitted_tokens(runner, scheduled, settled)
-    credited = None if proposer.guard is None \
-        else proposer.guard.credited_tokens(emitted, req_ids)
+    prefill = any(count - len(spec.get(req_id, ())) > 1 for req_id, count in scheduled.items())
+    timed = last is not None and not prefill and bool(scheduled)
+    credited = None if proposer.guard is None or not timed \
+        else proposer.guard.credited_tokens(emitted, req_ids)  # read before the advance
     if proposer.guard is not None:  # every step, prefill or not, moves the gains
         proposer.guard.advance(req_ids, emitted)
-    prefill = any(count - len(spec.get(req_id, ())) > 1 for req_id, count in scheduled.items())
-    if last is None or prefill or not scheduled:
+    if not timed:
         return
     mode, seconds = measured.ran, max(now - last - preparation, 0.0)
     batch = len(emitted)
