@@ -25,7 +25,8 @@ Usage, with a job file a sweep wrote (``OUT/jobs/graft_auto-batch8.job.json``)::
 
 ``--guard NAME=VALUE`` sets a throughput-guard field for the auto runs (a number; 0 or
 1 for a switch such as ``scout_new_batches``; a name for a choice such as
-``credit=sum``), to compare guard settings run against run; ``--datasets`` keeps only the named datasets of
+``credit=sum``; modes joined by '+', such as ``modes=chain`` for copy chains at
+every step), to compare guard settings run against run; ``--datasets`` keeps only the named datasets of
 the job (more rounds of one dataset in the same time). Writes ``DIR/guard_ab.json`` and
 prints a summary: per dataset the auto runs' speed over the plain runs', round by round,
 with the geometric mean and its 95 % bootstrap interval, and the steps the guard ran in
@@ -92,6 +93,13 @@ def switch(value: float) -> bool:
     return bool(value)
 
 
+def step_modes(value: str) -> tuple:
+    """Guard modes given as names joined by '+': ``chain+plain``."""
+    from vllm_graft.core.config import StepMode
+
+    return tuple(StepMode(name) for name in value.split("+"))
+
+
 def parse_guard(items: list[str]) -> dict:
     """``NAME=VALUE`` pairs of throughput-guard settings (numbers, switches, choices),
     refused before any engine starts when a name is no such field or a value is out of
@@ -100,7 +108,8 @@ def parse_guard(items: list[str]) -> dict:
 
     from vllm_graft.core.budget import ThroughputGuard
 
-    kinds = {"int": int, "float": float, "float | None": float, "bool": switch, "str": str}
+    kinds = {"int": int, "float": float, "float | None": float, "bool": switch, "str": str,
+             "tuple[StepMode, ...]": step_modes}
     state = {"steps", "measuring"}  # what the guard keeps as it runs, no setting
     settable = {field.name: kinds[field.type] for field in dataclasses.fields(ThroughputGuard)
                if field.type in kinds and field.name not in state}
@@ -113,9 +122,11 @@ def parse_guard(items: list[str]) -> dict:
             raise SystemExit(f"--guard: {name!r} is not a throughput-guard setting "
                              f"(one of {', '.join(sorted(settable))})")
         try:
-            settings[name] = value if settable[name] is str else settable[name](float(value))
+            settings[name] = value if settable[name] is str else settable[name](
+                value if settable[name] is step_modes else float(value))
         except ValueError:
-            wanted = "0 or 1" if settable[name] is switch else "a number"
+            wanted = {switch: "0 or 1", step_modes: "modes joined by '+' (chain+plain)"
+                      }.get(settable[name], "a number")
             raise SystemExit(f"--guard: {name} takes {wanted}, got {value!r}") from None
     try:
         ThroughputGuard(**settings)
@@ -142,7 +153,7 @@ def timed_run(llm, job: dict, dataset: str) -> dict:
     cpu, steal = time.process_time(), steal_ticks()
     run = run_dataset(llm, job, dataset)
     stolen = None if steal is None else steal_ticks() - steal
-    return {"seconds": run["seconds"], "cpu_seconds": time.process_time() - cpu,
+    return {"seconds": run["seconds"], "prefill_ms": run["prefill_ms"], "cpu_seconds": time.process_time() - cpu,
             "steal_ticks": stolen, "tokens": run["tokens"],
             "guard_steps": guard_steps(run["delta"]),
             "scout": {"looks": run["delta"].get("graft_chain_scout_looks", 0),
@@ -244,7 +255,10 @@ def main() -> int:
                      + " ".join(f"{x:.2f}" for x in ratios)
                      + f"; CPU time {cpu_mean:.3f}x ({cpu_low:.3f}-{cpu_high:.3f}), rounds "
                      + " ".join(f"{x:.2f}" for x in cpu) + "; speculative steps "
-                     + " ".join(f"{s}/{n}" for s, n in zip(speculative, steps)))
+                     + " ".join(f"{s}/{n}" for s, n in zip(speculative, steps))
+                     + "; prefill phase auto / plain (ms, median) "
+                     + f"{statistics.median(p['auto']['prefill_ms'] for p in pairs):.0f} / "
+                     + f"{statistics.median(p['plain']['prefill_ms'] for p in pairs):.0f}")
     mean, low, high = paired_interval(all_ratios)
     cpu_mean, cpu_low, cpu_high = paired_interval(all_cpu)
     summary.update(mean=round(mean, 4), interval=[round(low, 4), round(high, 4)],

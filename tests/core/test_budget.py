@@ -957,31 +957,61 @@ def test_a_new_batch_is_not_held_to_what_chains_measured_on_the_last(seed, text_
         ThroughputGuard(text_steps=0.5)
 
 
-def test_requests_joining_shrink_only_the_chains_record_and_pro_rata():
+def test_requests_joining_shrink_the_records_of_chains_and_plain_decoding_pro_rata():
+    """Chains' and plain decoding's records shrink (their rates stay); trees' stays."""
     from vllm_graft.core.budget import ThroughputGuard
     from vllm_graft.core.config import StepMode
 
-    chain, plain = StepMode.CHAIN, StepMode.PLAIN
-    guard = ThroughputGuard(modes=(chain, plain), text_steps=2.0)
-    for mode in [chain, plain] * 6:
+    chain, plain, tree = StepMode.CHAIN, StepMode.PLAIN, StepMode.TREE
+    guard = ThroughputGuard(modes=(tree, chain, plain), text_steps=2.0)
+    for mode in [chain, plain, tree] * 6:
         guard.choose(8)
-        guard.observe(mode, 8, tokens=12 if mode is chain else 8, seconds=0.01)
-    plain_record = guard.stats[(8, plain)]
-    weight, rate, last = guard._stats(8, chain).weight, guard.rate_of(8, chain), \
-        guard.stats[(8, chain)].step
+        guard.observe(mode, 8, tokens={chain: 12, plain: 8, tree: 16}[mode], seconds=0.01)
+    tree_record = guard.stats[(8, tree)]
+    before = {mode: (guard._stats(8, mode).weight, guard.rate_of(8, mode),
+                     guard.stats[(8, mode)].step) for mode in (chain, plain)}
     guard.requests_joined(4, 8)  # half the batch is new: (2 / weight) ** 0.5 of it,
     # geometrically between the weight and two steps'
-    assert guard._stats(8, chain).weight == pytest.approx(weight * (2.0 / weight) ** 0.5)
-    assert guard.stats[(8, chain)].step == last  # no sooner probe, no later decay
-    assert guard.rate_of(8, chain) == pytest.approx(rate)
-    assert guard.stats[(8, plain)] == plain_record
+    for mode, (weight, rate, last) in before.items():
+        assert guard._stats(8, mode).weight == pytest.approx(weight * (2.0 / weight) ** 0.5)
+        assert guard.stats[(8, mode)].step == last  # no sooner probe, no later decay
+        assert guard.rate_of(8, mode) == pytest.approx(rate)
+    assert guard.stats[(8, tree)] == tree_record
     guard.requests_joined(0, 8)
     guard.requests_joined(8, 8)  # a whole new batch: two steps' worth
     assert guard._stats(8, chain).weight == pytest.approx(2.0)
+    assert guard._stats(8, plain).weight == pytest.approx(2.0)
     guard.requests_joined(8, 8)  # a record of no more than that stays as it is
     assert guard._stats(8, chain).weight == pytest.approx(2.0)
     # a stalled step is capped at three mean steps (of 11 ms: 10 charged 10 %)
     assert guard.counted_seconds(chain, 8, 1.0) == pytest.approx(3 * 0.011)
+
+
+def test_plain_decoding_is_measured_on_a_new_batch_before_chains_are_compared_with_it():
+    """The scout compares chains on the new text with plain decoding's rate: that rate
+    must be the new text's. Measured on a 2-core CPU at batch 8 (budget auto in one
+    process, SmolLM2-135M): plain steps of document quotes (~600-token prompts) took
+    about 90 ms, of the short chat prompts that followed 72; against the quotes' plain
+    rate the chains the scout fired on the chat prompts measured faster, and the guard
+    ran them in 112 of 124 steps, at 0.92-0.95x plain decoding. Here plain decoding on
+    the old text took 0.0125 s a step, on the new one 0.010, and chains on the new one
+    0.011 for one token a request: stale, plain measures slower than chains; measured
+    again, faster."""
+    from vllm_graft.core.budget import ThroughputGuard
+    from vllm_graft.core.config import StepMode
+
+    chain, plain = StepMode.CHAIN, StepMode.PLAIN
+    guard = ThroughputGuard(modes=(chain, plain))
+    for _ in range(100):  # the old text: chains measured once, plain decoding after
+        guard.observe(guard.choose(8), 8, tokens=8, seconds=0.0125)
+    assert guard.measured[(8, chain)] >= 1
+    guard.requests_joined(8, 8, scouted=True)
+    assert guard.choose(8) is plain and guard.measuring  # measured again, no scout look
+    guard.observe(plain, 8, tokens=8, seconds=0.010)
+    assert guard.choose(8) is plain and not guard.measuring
+    chain_rate = 8 / guard.counted_seconds(chain, 8, 0.011)
+    assert guard.rate_of(8, plain) > chain_rate  # what the scout compares with
+    assert 8 / 0.0125 < chain_rate  # what it compared with before
 
 
 def test_a_scouted_new_batch_runs_chains_once_they_are_measured_on_it_again():
@@ -991,6 +1021,7 @@ def test_a_scouted_new_batch_runs_chains_once_they_are_measured_on_it_again():
     A single request, a minority joining, an unscouted guard or the switch off keep the
     shrunk record, whose rate still beats plain decoding's."""
     from vllm_graft.core.budget import ThroughputGuard
+    from vllm_graft.core.budget.guard import STALE_PLAIN_WEIGHT
     from vllm_graft.core.config import StepMode
 
     chain, plain = StepMode.CHAIN, StepMode.PLAIN
@@ -1004,9 +1035,10 @@ def test_a_scouted_new_batch_runs_chains_once_they_are_measured_on_it_again():
         return guard
 
     guard = measured(8)
-    plain_record = guard.stats[(8, plain)]
+    plain_rate = guard.rate_of(8, plain)
     guard.requests_joined(4, 8, scouted=True)
-    assert guard.rate_of(8, chain) is None and guard.stats[(8, plain)] == plain_record
+    assert guard.rate_of(8, chain) is None and guard.rate_of(8, plain) == plain_rate
+    assert guard._stats(8, plain).weight == pytest.approx(STALE_PLAIN_WEIGHT)
     for _ in range(40):
         assert guard.choose(8) is plain
         guard.observe(plain, 8, tokens=8, seconds=0.01)

@@ -663,11 +663,12 @@ def test_guard_ab_pairs_auto_runs_with_plain_runs_of_the_same_engine(tiny_models
     script = [str(Path(__file__).parents[2] / "scripts" / "guard_ab.py"), str(path),
               "--rounds", "2", "--out", str(out)]
     done = subprocess.run([sys.executable, *script, "--guard", "text_steps=4",
-                           "credit=sum", "scout_new_batches=0", "--datasets", "a"],
+                           "credit=sum", "scout_new_batches=0", "modes=chain+plain", "--datasets", "a"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "guard_ab.json").read_text())
-    assert summary["guard"] == {"text_steps": 4.0, "credit": "sum", "scout_new_batches": False}
+    assert summary["guard"] == {"text_steps": 4.0, "credit": "sum", "scout_new_batches": False,
+                                "modes": ["chain", "plain"]}
     assert list(summary["datasets"]) == ["a"]  # only the dataset asked for
     pairs = summary["datasets"]["a"]["runs"]
     assert len(pairs) == 2 and len(summary["datasets"]["a"]["ratios"]) == 2
@@ -682,6 +683,7 @@ def test_guard_ab_pairs_auto_runs_with_plain_runs_of_the_same_engine(tiny_models
                        (["--guard", "scout_new_batches=2"], "scout_new_batches takes 0 or 1"),
                        (["--guard", "credit=mean"], "credit"),
                        (["--guard", "window=fast"], "window takes a number"),
+                       (["--guard", "modes=chain+fast"], "modes takes modes joined by '+'"),
                        (["--guard", "measuring=1"], "measuring"),
                        (["--datasets", "a", "nope"], "--datasets: nope not in")):
         refused = subprocess.run([sys.executable, *script, *bad],

@@ -46,8 +46,9 @@ class GuardConfig(BaseModel):
         0.1, ge=0, le=10, description="extra share of its time a speculative step at "
         "several requests counts (requests drifting apart cost the batch outside steps)")
     text_steps: float = Field(
-        2.0, ge=1, le=1e12, description="the most steps the copy chains' record of "
-        "other text weighs once a batch of new requests joins")
+        2.0, ge=1, le=1e12, description="the most steps the records of copy chains "
+        "and of plain decoding on other text weigh once a batch of new requests joins")
     scout_new_batches: bool = Field(
         True, description="where the chain scout looks at new batches, a batch at least "
-        "half new drops the chains' record instead")
+        "half new drops the chains' record instead (and plain decoding is measured on it "
+        "again before the scout compares chains with it)")

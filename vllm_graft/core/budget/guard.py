@@ -23,6 +23,14 @@ def mostly_new(joined: int, batch: int) -> bool:
 #: the share of its weight below which a faded guard record is dropped
 #: (:class:`ThroughputGuard`): far above where its sums lose precision or underflow
 FORGOTTEN = 1e-30
+#: the modes whose records belong to the text they ran on: copy chains' gain (does it
+#: copy its context?) and plain decoding's step (its context's length), which change with
+#: a new batch of requests; trees' rate depends more on the models
+TEXT_MODES = (StepMode.CHAIN, StepMode.PLAIN)
+#: the steps plain decoding's record of other text weighs once a batch at least half new
+#: joins where the chain scout reads new batches: its next step, measured on the new
+#: text, outweighs it four to one
+STALE_PLAIN_WEIGHT = 0.25
 #: the throughput guard's tuning defaults (graft.guard)
 _TUNING = GuardConfig()
 
@@ -57,8 +65,9 @@ class ThroughputGuard:
     ``probe_share`` for its loss, and plain decoding whenever its last step is over
     ``plain_refresh`` steps old. A step counts at most ``outlier_steps`` mean steps, a
     speculative one at several requests ``batch_charge`` more, and as many tokens as
-    :meth:`credited_tokens` says (``credit``). New text shrinks the chains'
-    record to ``text_steps`` (or drops it: ``scout_new_batches``); a record faded under
+    :meth:`credited_tokens` says (``credit``). New text shrinks the records of
+    chains and plain decoding to ``text_steps`` (or drops the chains' and has plain
+    decoding measured again: ``scout_new_batches``); a record faded under
     :data:`FORGOTTEN` is dropped. Why: docs/design-log.md#throughput-guard.
     """
 
@@ -225,28 +234,40 @@ class ThroughputGuard:
         return True
 
     def requests_joined(self, joined: int, batch: int, scouted: bool = False) -> None:
-        """``joined`` of the ``batch`` requests of the coming steps are new: the copy
-        chains' record, measured on text they replace, shrinks by ``text_steps`` over
-        its weight, to the power of the new share; its rate, mean step and last step
-        stay. Where a :class:`ChainScout` looks at new batches (``scouted``,
-        ``scout_new_batches``) and at least half of a batch of several requests is new,
-        the record is dropped instead. Why: docs/design-log.md#throughput-guard."""
+        """``joined`` of the ``batch`` requests of the coming steps are new: the records
+        of copy chains and of plain decoding, measured on text they replace, shrink by
+        ``text_steps`` over their weight, to the power of the new share; their rates,
+        mean steps and last steps stay. Where a :class:`ChainScout` looks at new batches
+        (``scouted``, ``scout_new_batches``) and at least half of a batch of several
+        requests is new, the chains' record is dropped instead, and plain decoding's
+        shrinks to :data:`STALE_PLAIN_WEIGHT` and is measured again before the scout
+        compares chains with it. Trees' record stays. Why:
+        docs/design-log.md#throughput-guard."""
         if joined <= 0 or batch <= 0:
             return
         if scouted and self.scout_new_batches and batch >= 2 and mostly_new(joined, batch):
             for key in [key for key in self.stats if key[1] is StepMode.CHAIN]:
                 del self.stats[key]
+            for key in [key for key in self.stats if key[1] is StepMode.PLAIN]:
+                self._shrink(key, STALE_PLAIN_WEIGHT)
+                self.measured.pop(key, None)  # a first probe: measured on the new text
             return
         share = min(joined / batch, 1.0)
-        for (bucket, mode), stats in self.stats.items():
-            if mode is not StepMode.CHAIN:
-                continue
-            weight = self._stats(bucket, mode).weight
+        for key in [key for key in self.stats if key[1] in TEXT_MODES]:
+            weight = self._stats(*key).weight
             if weight > self.text_steps:
-                keep = (self.text_steps / weight) ** share
-                self.stats[bucket, mode] = _ModeStats(
-                    stats.weight * keep, stats.tokens * keep, stats.tokens_sq * keep,
-                    stats.seconds * keep, stats.step)
+                self._shrink(key, weight * (self.text_steps / weight) ** share)
+
+    def _shrink(self, key: tuple[int, StepMode], weight: float) -> None:
+        """The record at ``key`` (bucket, mode) weighs at most ``weight`` steps now; its
+        rate, mean step and last step stay."""
+        stats = self.stats[key]
+        current = self._stats(*key).weight
+        if current > weight:
+            keep = weight / current
+            self.stats[key] = _ModeStats(stats.weight * keep, stats.tokens * keep,
+                                         stats.tokens_sq * keep, stats.seconds * keep,
+                                         stats.step)
 
     def counted_seconds(self, mode: StepMode, batch: int, seconds: float) -> float:
         """What a step of ``mode`` at ``batch`` that took ``seconds`` counts as: a
