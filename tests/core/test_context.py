@@ -55,7 +55,7 @@ def _reference_proposal(context, min_ngram, max_ngram, max_nodes, max_depth, max
                 found.append(end)
         if n == max_ngram:  # the longest n-gram's occurrences: by how far back they match
             found.sort(key=lambda end: -_matched_back(context, end))
-        matches += [(n, tuple(context[end + 1:end + 1 + max_depth])) for end in found]
+        matches += [(n, _copied(context, end, max_depth)) for end in found]
     matches = matches[:max_matches]
     if not matches or max_nodes == 0 or max_depth == 0:
         return ContextProposal.empty()
@@ -73,6 +73,19 @@ def _reference_proposal(context, min_ngram, max_ngram, max_nodes, max_depth, max
                            depths=[len(p) for p in kept],
                            weights=[weight[p] for p in kept],
                            match_length=max(n for n, _ in matches))
+
+
+def _copied(context, end, max_depth) -> tuple[int, ...]:
+    """Brute force: ``max_depth`` tokens of a copy from ``end + 1`` that goes on past
+    the context's end reading what it copied, where the occurrence overlaps the suffix
+    (matches back at least as far as its distance from the end); else what followed
+    it in the context."""
+    if _matched_back(context, end) < len(context) - 1 - end:
+        return tuple(context[end + 1:end + 1 + max_depth])
+    text = list(context)
+    for k in range(max_depth):
+        text.append(text[end + 1 + k])
+    return tuple(text[end + 1:end + 1 + max_depth])
 
 
 def _matched_back(context, end) -> int:
@@ -107,6 +120,22 @@ def test_single_match_proposes_what_followed():
     assert proposal.depths == [1, 2, 3, 4]
     assert proposal.weights == pytest.approx([1.0, DEPTH_DECAY, DEPTH_DECAY**2, DEPTH_DECAY**3])
     assert proposal.match_length == 3  # (1, 2, 3); (2, 3) at the same end is not recounted
+
+
+def test_a_loop_is_proposed_repeating_past_the_context_end():
+    """Text repeating a period: its most recent occurrence is a period back and has
+    only the period's tokens after it; the proposal repeats them up to max_depth (a
+    model stuck on a closing fence, on the copy benchmark's agent transcripts). An
+    occurrence that does not overlap the suffix keeps its cut continuation."""
+    fence = [7, 8]
+    looped = _index([1, 2, 3, *fence * 4], max_ngram=4)
+    assert looped.best_match(9) == (4, [7, 8, 7, 8, 7, 8, 7, 8, 7])
+    assert _paths(looped.propose(max_nodes=6, max_depth=6, max_matches=1)) == [
+        (7,), (7, 8), (7, 8, 7), (7, 8, 7, 8), (7, 8, 7, 8, 7), (7, 8, 7, 8, 7, 8)]
+    line = [4, 5, 6, 9, 10, 11]  # a period longer than the n-grams: matched back
+    assert _index([1, *line * 3], max_ngram=3).best_match(8) == (3, [*line, 4, 5])
+    apart = _index([1, 2, 3, 4, 1, 2, 3], max_ngram=3)  # (1, 2, 3) twice, no overlap
+    assert apart.best_match(16) == (3, [4, 1, 2, 3])
 
 
 def test_continuation_is_cut_at_max_depth():

@@ -45,6 +45,15 @@ keeps being proposed step after step; ranking by recency alone jumped to the mos
 recent occurrence of the last ``max_ngram`` tokens, in code and data with repeated
 lines often another line than the one being copied. The rule reads the text only, so
 a proposal never depends on earlier calls.
+
+Repeats. An occurrence close to the context's end has fewer than ``max_depth`` tokens
+after it. Where it overlaps the suffix it matched (the last tokens already repeat with
+the period of its distance from the end: text caught in a loop, a model repeating a
+line, a closing fence, a table rule), its continuation goes on repeating the period:
+the most recent occurrence of a loop is one period back, and proposing only the
+period's few tokens left most of suffix decoding's gain on the copy benchmark's agent
+transcripts to it. An occurrence that does not overlap is no evidence of a loop and
+keeps its cut continuation, as prompt lookup's.
 """
 
 from __future__ import annotations
@@ -402,7 +411,7 @@ class ContextIndex(_NgramIndex):
                 if end >= length - 1 or end in taken:
                     continue
                 taken.add(end)
-                matches.append((float(n), context[end + 1:end + 1 + max_depth]))
+                matches.append((float(n), continuation(context, end, max_depth, n)))
                 longest = max(longest, n)
                 if len(matches) == max_matches:
                     return matches, longest
@@ -463,6 +472,21 @@ class ContextIndex(_NgramIndex):
         if not matches:
             return ContextProposal.empty()
         return _best_subtree(matches, max_nodes, depth_decay, longest, lead_nodes)
+
+
+def continuation(context: Sequence[int], end: int, max_depth: int, matched: int
+                 ) -> list[int]:
+    """What followed the occurrence of the last ``matched`` tokens that ends at ``end``,
+    at most ``max_depth`` tokens. Where the context ends first and the occurrence
+    overlaps the suffix (it matches at least as far back as its distance from the end,
+    the period), the text already repeats with that period: the continuation goes on
+    repeating it (module docstring, Repeats)."""
+    tokens = list(context[end + 1:end + 1 + max_depth])
+    period = len(context) - 1 - end
+    if 0 < period < max_depth and (matched >= period
+                                   or run_length(context, end, matched) >= period):
+        tokens.extend(tokens[k % period] for k in range(period, max_depth))
+    return tokens
 
 
 def run_length(context: Sequence[int], end: int, known: int = 0) -> int:
