@@ -1,0 +1,219 @@
+"""Copy proposals replayed: tokens per step of each proposal rule on the same outputs.
+
+A benchmark's tokens per step mix what a method proposes with what its sizing cuts and
+with the order in which a batch's requests advance. Here the greedy outputs of plain
+decoding are generated once per prompt of a job file (the target alone, so every
+method would emit exactly these tokens), then each rule proposes at every step from the
+context a request would have, and accepts the proposal's longest prefix that the output
+continues with (greedy acceptance), plus the token after it. The requests of a dataset
+advance in lockstep, one step each per round, as a batch does, so a rule that reads
+other requests' outputs sees what a batch's peers would have produced by then.
+
+Rules (no budget cut, no cost):
+
+* ``ngram``: vLLM's prompt lookup (the longest suffix of ``--ngram-max`` down to
+  ``--ngram-min`` tokens found earlier, its first occurrence's continuation),
+  ``--ngram-tokens`` tokens;
+* ``graft``: Graft's copy-chain match (:meth:`ContextIndex.best_match`, the graft
+  variant's default n-grams), ``--graft-tokens`` tokens; ``graft_peers`` also matches
+  the running peers' outputs (what requests sharing a successor matrix see);
+* ``suffix`` / ``suffix_own``: arctic-inference's suffix tree (vLLM's suffix method and
+  its defaults), ``--suffix-tokens`` tokens, over every request's response (as vLLM
+  runs it) or the request's own only; skipped when arctic-inference is not installed.
+
+Usage, with a job file a benchmark wrote (``OUT/jobs/METHOD.job.json``)::
+
+    python scripts/replay_proposals.py JOB.json [--datasets copy_agent copy_rag]
+        [--outputs outputs.json]
+
+``--outputs`` keeps the greedy outputs (generated when the file does not exist, read
+when it does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+#: a rule: given the request, all requests' contexts and prompt lengths, a proposal
+Rule = Callable[[int, list[list[int]], list[int]], list[int]]
+
+
+def accepted_prefix(proposal: Sequence[int], actual: Sequence[int]) -> int:
+    """How many of ``proposal``'s tokens greedy verification accepts: its longest prefix
+    that ``actual`` (the output from here on) starts with."""
+    n = 0
+    while n < len(proposal) and n < len(actual) and proposal[n] == actual[n]:
+        n += 1
+    return n
+
+
+def prompt_lookup(context: Sequence[int], min_ngram: int, max_ngram: int,
+                  tokens: int) -> list[int]:
+    """vLLM's n-gram proposal: for the longest ``n`` in ``max_ngram``..``min_ngram``
+    whose last ``n`` tokens occurred earlier, the ``tokens`` after their first
+    occurrence."""
+    length = len(context)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        suffix = list(context[length - n:])
+        for start in range(length - n):
+            if list(context[start:start + n]) == suffix:
+                return list(context[start + n:start + n + tokens])
+    return []
+
+
+def replay(requests: list[tuple[list[int], list[int]]], make_rule: Callable[[], Rule],
+           on_tokens: Callable[[int, list[int]], None] | None = None) -> float:
+    """Tokens per step of a rule over ``requests`` (prompt, greedy output) advancing in
+    lockstep (module doc); the output's first token is the prefill's, not counted.
+    ``on_tokens(request, tokens)``: called with each request's prompt and first token,
+    then with each step's emitted tokens."""
+    rule = make_rule()
+    contexts = [list(prompt) + list(output[:1]) for prompt, output in requests]
+    prompt_lengths = [len(prompt) for prompt, _ in requests]
+    positions = [1] * len(requests)
+    if on_tokens is not None:
+        for i, context in enumerate(contexts):
+            on_tokens(i, context)
+    steps = emitted = 0
+    while any(pos < len(out) for pos, (_, out) in zip(positions, requests)):
+        for i, (_, output) in enumerate(requests):
+            pos = positions[i]
+            if pos >= len(output):
+                continue
+            proposal = rule(i, contexts, prompt_lengths)
+            new = list(output[pos:pos + accepted_prefix(proposal, output[pos:]) + 1])
+            positions[i] += len(new)
+            contexts[i].extend(new)
+            if on_tokens is not None:
+                on_tokens(i, new)
+            steps += 1
+            emitted += len(new)
+    return emitted / max(steps, 1)
+
+
+def replay_ngram(requests, min_ngram: int, max_ngram: int, tokens: int) -> float:
+    return replay(requests, lambda: lambda i, contexts, _: prompt_lookup(
+        contexts[i], min_ngram, max_ngram, tokens))
+
+
+def replay_graft(requests, tokens: int, peers: bool) -> float:
+    from vllm_graft.core.config import ContextRetrievalConfig
+    from vllm_graft.core.context import ContextIndex
+    from vllm_graft.core.shared_outputs import PeerOutputs
+
+    defaults = ContextRetrievalConfig()
+    indexes = [ContextIndex(min_ngram=defaults.min_ngram, max_ngram=defaults.max_ngram)
+               for _ in requests]
+
+    def index_tokens(i: int, new: list[int]) -> None:
+        indexes[i].extend(new)
+        indexes[i].catch_up()
+
+    def rule(i: int, contexts, prompt_lengths) -> list[int]:
+        shared = PeerOutputs([(index, prompt_lengths[j]) for j, index in enumerate(indexes)
+                              if j != i]) if peers else None
+        return indexes[i].best_match(tokens, shared)[1]
+
+    return replay(requests, lambda: rule, index_tokens)
+
+
+def replay_suffix(requests, tokens: int, shared: bool) -> float:
+    from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+    from vllm.config.speculative import SpeculativeConfig
+
+    depth = SpeculativeConfig.suffix_decoding_max_tree_depth
+    factor = SpeculativeConfig.suffix_decoding_max_spec_factor
+    min_prob = SpeculativeConfig.suffix_decoding_min_token_prob
+    caches = [SuffixDecodingCache(max_tree_depth=depth, max_cached_requests=len(requests))
+              for _ in (requests[:1] if shared else requests)]
+    started: set[int] = set()
+
+    def cache_of(i: int):
+        return caches[0] if shared else caches[i]
+
+    def add(i: int, new: list[int]) -> None:
+        if i not in started:  # the prompt, then the first token as the response's start
+            started.add(i)
+            prompt = requests[i][0]
+            cache_of(i).start_request(i, prompt)
+            new = new[len(prompt):]
+        cache_of(i).add_active_response(i, new)
+
+    def rule(i: int, contexts, _) -> list[int]:
+        return list(cache_of(i).speculate(i, contexts[i][-depth:], max_spec_tokens=tokens,
+                                          max_spec_factor=factor,
+                                          min_token_prob=min_prob).token_ids)
+
+    return replay(requests, lambda: rule, add)
+
+
+def greedy_outputs(job: dict, datasets: list[str]) -> dict[str, list[list[int]]]:
+    """Plain decoding's greedy outputs of the job's prompts (its engine settings)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_graft.offline.engine import cpu_runtime_defaults, engine
+
+    cpu_runtime_defaults()
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
+    outputs = {}
+    with engine(job["target"], None, **job["engine"]) as llm:
+        for name in datasets:
+            results = llm.generate([TokensPrompt(prompt_token_ids=p)
+                                    for p in job["datasets"][name]], params)
+            outputs[name] = [list(r.outputs[0].token_ids) for r in results]
+    return outputs
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("job", type=Path, help="a benchmark's job file")
+    parser.add_argument("--datasets", nargs="+", metavar="NAME")
+    parser.add_argument("--outputs", type=Path, help="greedy outputs kept here")
+    parser.add_argument("--ngram-min", type=int, default=3)
+    parser.add_argument("--ngram-max", type=int, default=5)
+    parser.add_argument("--ngram-tokens", type=int, default=10)
+    parser.add_argument("--graft-tokens", type=int, default=16)
+    parser.add_argument("--suffix-tokens", type=int, default=20)
+    args = parser.parse_args()
+    job = json.loads(args.job.read_text())
+    datasets = args.datasets or list(job["datasets"])
+    unknown = [name for name in datasets if name not in job["datasets"]]
+    if unknown:
+        parser.error(f"--datasets: {', '.join(unknown)} not in {args.job}")
+    if args.outputs is not None and args.outputs.exists():
+        outputs = json.loads(args.outputs.read_text())
+        missing = [name for name in datasets if name not in outputs]
+        if missing:
+            parser.error(f"{args.outputs} has no outputs of {', '.join(missing)}")
+    else:
+        outputs = greedy_outputs(job, datasets)
+        if args.outputs is not None:
+            args.outputs.write_text(json.dumps(outputs))
+    rules = {
+        "ngram": lambda r: replay_ngram(r, args.ngram_min, args.ngram_max, args.ngram_tokens),
+        "graft": lambda r: replay_graft(r, args.graft_tokens, peers=False),
+        "graft_peers": lambda r: replay_graft(r, args.graft_tokens, peers=True),
+    }
+    if importlib.util.find_spec("arctic_inference") is not None:
+        rules["suffix_own"] = lambda r: replay_suffix(r, args.suffix_tokens, shared=False)
+        rules["suffix"] = lambda r: replay_suffix(r, args.suffix_tokens, shared=True)
+    print("| dataset | " + " | ".join(rules) + " |")
+    print("|---|" + "---|" * len(rules))
+    for name in datasets:
+        requests = list(zip(job["datasets"][name], outputs[name]))
+        row = [f"{rule(requests):.3f}" for rule in rules.values()]
+        print(f"| {name} | " + " | ".join(row) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
