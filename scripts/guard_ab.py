@@ -26,11 +26,11 @@ Usage, with a job file a sweep wrote (``OUT/jobs/graft_auto-batch8.job.json``)::
 ``--guard NAME=VALUE`` sets a throughput-guard field for the auto runs (a number; 0 or
 1 for a switch such as ``scout_new_batches``; a name for a choice such as
 ``credit=sum``; modes joined by '+', such as ``modes=chain`` for copy chains at
-every step), to compare guard settings run against run; ``--datasets`` keeps only the named datasets of
-the job (more rounds of one dataset in the same time). Writes ``DIR/guard_ab.json`` and
-prints a summary: per dataset the auto runs' speed over the plain runs', round by round,
-with the geometric mean and its 95 % bootstrap interval, and the steps the guard ran in
-each mode. Greedy output must be the same in both runs of every pair.
+every step), to compare guard settings run against run; ``--datasets`` keeps only the
+named datasets of the job (more rounds of one dataset in the same time). Writes
+``DIR/guard_ab.json`` and prints a summary: per dataset the auto runs' speed over the
+plain runs', round by round, with the geometric mean and its 95 % bootstrap interval,
+and the steps the guard ran in each mode. Greedy output must be the same in both runs of every pair.
 """
 
 from __future__ import annotations
@@ -153,7 +153,8 @@ def timed_run(llm, job: dict, dataset: str) -> dict:
     cpu, steal = time.process_time(), steal_ticks()
     run = run_dataset(llm, job, dataset)
     stolen = None if steal is None else steal_ticks() - steal
-    return {"seconds": run["seconds"], "prefill_ms": run["prefill_ms"], "cpu_seconds": time.process_time() - cpu,
+    return {"seconds": run["seconds"], "prefill_ms": run["prefill_ms"],
+            "cpu_seconds": time.process_time() - cpu,
             "steal_ticks": stolen, "tokens": run["tokens"],
             "guard_steps": guard_steps(run["delta"]),
             "scout": {"looks": run["delta"].get("graft_chain_scout_looks", 0),

@@ -47,33 +47,31 @@ Rule = Callable[[int, list[list[int]], list[int]], list[int]]
 def accepted_prefix(proposal: Sequence[int], actual: Sequence[int]) -> int:
     """How many of ``proposal``'s tokens greedy verification accepts: its longest prefix
     that ``actual`` (the output from here on) starts with."""
-    n = 0
-    while n < len(proposal) and n < len(actual) and proposal[n] == actual[n]:
-        n += 1
-    return n
+    from vllm_graft.core.budget.scout import copied_prefix
+
+    return copied_prefix(proposal[:len(actual)], actual)
 
 
 def prompt_lookup(context: Sequence[int], min_ngram: int, max_ngram: int,
                   tokens: int) -> list[int]:
-    """vLLM's n-gram proposal: for the longest ``n`` in ``max_ngram``..``min_ngram``
-    whose last ``n`` tokens occurred earlier, the ``tokens`` after their first
-    occurrence."""
-    length = len(context)
-    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        suffix = list(context[length - n:])
-        for start in range(length - n):
-            if list(context[start:start + n]) == suffix:
-                return list(context[start + n:start + n + tokens])
-    return []
+    """vLLM's n-gram proposal, by vLLM's own matcher: for the longest ``n`` in
+    ``max_ngram``..``min_ngram`` whose last ``n`` tokens occurred earlier, the
+    ``tokens`` after their first occurrence."""
+    import numpy as np
+    from vllm.v1.spec_decode.ngram_proposer import (
+        _find_longest_matched_ngram_and_propose_tokens)
+
+    return _find_longest_matched_ngram_and_propose_tokens(
+        np.asarray(context, dtype=np.int32), min_ngram, max_ngram,
+        len(context) + tokens, tokens).tolist()
 
 
-def replay(requests: list[tuple[list[int], list[int]]], make_rule: Callable[[], Rule],
+def replay(requests: list[tuple[list[int], list[int]]], rule: Rule,
            on_tokens: Callable[[int, list[int]], None] | None = None) -> float:
     """Tokens per step of a rule over ``requests`` (prompt, greedy output) advancing in
     lockstep (module doc); the output's first token is the prefill's, not counted.
     ``on_tokens(request, tokens)``: called with each request's prompt and first token,
     then with each step's emitted tokens."""
-    rule = make_rule()
     contexts = [list(prompt) + list(output[:1]) for prompt, output in requests]
     prompt_lengths = [len(prompt) for prompt, _ in requests]
     positions = [1] * len(requests)
@@ -98,7 +96,7 @@ def replay(requests: list[tuple[list[int], list[int]]], make_rule: Callable[[], 
 
 
 def replay_ngram(requests, min_ngram: int, max_ngram: int, tokens: int) -> float:
-    return replay(requests, lambda: lambda i, contexts, _: prompt_lookup(
+    return replay(requests, lambda i, contexts, _: prompt_lookup(
         contexts[i], min_ngram, max_ngram, tokens))
 
 
@@ -120,7 +118,7 @@ def replay_graft(requests, tokens: int, peers: bool) -> float:
                               if j != i]) if peers else None
         return indexes[i].best_match(tokens, shared)[1]
 
-    return replay(requests, lambda: rule, index_tokens)
+    return replay(requests, rule, index_tokens)
 
 
 def replay_suffix(requests, tokens: int, shared: bool) -> float:
@@ -151,7 +149,7 @@ def replay_suffix(requests, tokens: int, shared: bool) -> float:
                                           max_spec_factor=factor,
                                           min_token_prob=min_prob).token_ids)
 
-    return replay(requests, lambda: rule, add)
+    return replay(requests, rule, add)
 
 
 def greedy_outputs(job: dict, datasets: list[str]) -> dict[str, list[list[int]]]:

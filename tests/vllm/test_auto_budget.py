@@ -663,7 +663,8 @@ def test_guard_ab_pairs_auto_runs_with_plain_runs_of_the_same_engine(tiny_models
     script = [str(Path(__file__).parents[2] / "scripts" / "guard_ab.py"), str(path),
               "--rounds", "2", "--out", str(out)]
     done = subprocess.run([sys.executable, *script, "--guard", "text_steps=4",
-                           "credit=sum", "scout_new_batches=0", "modes=chain+plain", "--datasets", "a"],
+                           "credit=sum", "scout_new_batches=0", "modes=chain+plain",
+                           "--datasets", "a"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "guard_ab.json").read_text())
