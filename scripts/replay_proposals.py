@@ -27,7 +27,12 @@ Usage, with a job file a benchmark wrote (``OUT/jobs/METHOD.job.json``)::
         [--outputs outputs.json]
 
 ``--outputs`` keeps the greedy outputs (generated when the file does not exist, read
-when it does).
+when it does). ``--gpu-costs gpu_check.json`` adds a projection: each rule's speed over
+plain decoding where a step costs the verification forward that ``scripts/gpu_check.sh``
+measured on a GPU (its ``verification_cost`` curves at ``--context``) for the batch's
+requests and query tokens (each request's token and its proposal) in that round, plain
+decoding's rounds one token a request. Only the target's forwards are priced: drafting
+and bookkeeping are not, so this bounds what the proposals could gain on that GPU.
 """
 
 from __future__ import annotations
@@ -67,11 +72,14 @@ def prompt_lookup(context: Sequence[int], min_ngram: int, max_ngram: int,
 
 
 def replay(requests: list[tuple[list[int], list[int]]], rule: Rule,
-           on_tokens: Callable[[int, list[int]], None] | None = None) -> float:
+           on_tokens: Callable[[int, list[int]], None] | None = None,
+           rounds: list[tuple[int, int]] | None = None) -> float:
     """Tokens per step of a rule over ``requests`` (prompt, greedy output) advancing in
     lockstep (module doc); the output's first token is the prefill's, not counted.
     ``on_tokens(request, tokens)``: called with each request's prompt and first token,
-    then with each step's emitted tokens."""
+    then with each step's emitted tokens. ``rounds``: gets, per round, the requests in
+    it and the query tokens their step verifies (each request's token and its proposal,
+    at most as many as its output has left)."""
     contexts = [list(prompt) + list(output[:1]) for prompt, output in requests]
     prompt_lengths = [len(prompt) for prompt, _ in requests]
     positions = [1] * len(requests)
@@ -80,11 +88,14 @@ def replay(requests: list[tuple[list[int], list[int]]], rule: Rule,
             on_tokens(i, context)
     steps = emitted = 0
     while any(pos < len(out) for pos, (_, out) in zip(positions, requests)):
+        active = query_tokens = 0
         for i, (_, output) in enumerate(requests):
             pos = positions[i]
             if pos >= len(output):
                 continue
             proposal = rule(i, contexts, prompt_lengths)
+            active += 1
+            query_tokens += 1 + min(len(proposal), len(output) - pos - 1)
             new = list(output[pos:pos + accepted_prefix(proposal, output[pos:]) + 1])
             positions[i] += len(new)
             contexts[i].extend(new)
@@ -92,15 +103,36 @@ def replay(requests: list[tuple[list[int], list[int]]], rule: Rule,
                 on_tokens(i, new)
             steps += 1
             emitted += len(new)
+        if rounds is not None:
+            rounds.append((active, query_tokens))
     return emitted / max(steps, 1)
 
 
-def replay_ngram(requests, min_ngram: int, max_ngram: int, tokens: int) -> float:
+def plain_rounds(requests: list[tuple[list[int], list[int]]]) -> list[tuple[int, int]]:
+    """Plain decoding's rounds of ``requests`` (as :func:`replay` reports them): one
+    token a request a step, after the prefill's."""
+    steps = [len(output) - 1 for _, output in requests]
+    return [(active, active) for step in range(max(steps, default=0))
+            if (active := sum(1 for count in steps if count > step))]
+
+
+def projected_ms(cost, rounds: list[tuple[int, int]]) -> float:
+    """The verification forwards of ``rounds`` priced by ``cost`` (a
+    :class:`CostModel` of a GPU's curves), in milliseconds."""
+    import torch
+
+    return sum(float(cost.verify_ms(active, torch.tensor([float(tokens)]))[0])
+               for active, tokens in rounds)
+
+
+def replay_ngram(requests, min_ngram: int, max_ngram: int, tokens: int,
+                 rounds: list[tuple[int, int]] | None = None) -> float:
     return replay(requests, lambda i, contexts, _: prompt_lookup(
-        contexts[i], min_ngram, max_ngram, tokens))
+        contexts[i], min_ngram, max_ngram, tokens), rounds=rounds)
 
 
-def replay_graft(requests, tokens: int, peers: bool) -> float:
+def replay_graft(requests, tokens: int, peers: bool,
+                 rounds: list[tuple[int, int]] | None = None) -> float:
     from vllm_graft.core.config import ContextRetrievalConfig
     from vllm_graft.core.context import ContextIndex
     from vllm_graft.core.shared_outputs import PeerOutputs
@@ -118,10 +150,11 @@ def replay_graft(requests, tokens: int, peers: bool) -> float:
                               if j != i]) if peers else None
         return indexes[i].best_match(tokens, shared)[1]
 
-    return replay(requests, rule, index_tokens)
+    return replay(requests, rule, index_tokens, rounds)
 
 
-def replay_suffix(requests, tokens: int, shared: bool) -> float:
+def replay_suffix(requests, tokens: int, shared: bool,
+                  rounds: list[tuple[int, int]] | None = None) -> float:
     from arctic_inference.suffix_decoding import SuffixDecodingCache
 
     from vllm.config.speculative import SpeculativeConfig
@@ -149,7 +182,7 @@ def replay_suffix(requests, tokens: int, shared: bool) -> float:
                                           max_spec_factor=factor,
                                           min_token_prob=min_prob).token_ids)
 
-    return replay(requests, rule, add)
+    return replay(requests, rule, add, rounds)
 
 
 def greedy_outputs(job: dict, datasets: list[str]) -> dict[str, list[list[int]]]:
@@ -181,7 +214,19 @@ def main() -> int:
     parser.add_argument("--ngram-tokens", type=int, default=10)
     parser.add_argument("--graft-tokens", type=int, default=16)
     parser.add_argument("--suffix-tokens", type=int, default=20)
+    parser.add_argument("--gpu-costs", type=Path, metavar="GPU_CHECK_JSON",
+                        help="project each rule's speed with this GPU check's "
+                             "verification cost curves (module doc)")
+    parser.add_argument("--context", type=int, default=1024,
+                        help="the context length of the curves --gpu-costs uses")
     args = parser.parse_args()
+    cost = None
+    if args.gpu_costs is not None:
+        from vllm_graft.core.budget import CostModel
+        try:
+            cost = CostModel.from_gpu_check(args.gpu_costs, args.context)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            parser.error(f"--gpu-costs {args.gpu_costs}: {error!r}")
     job = json.loads(args.job.read_text())
     datasets = args.datasets or list(job["datasets"])
     unknown = [name for name in datasets if name not in job["datasets"]]
@@ -197,19 +242,37 @@ def main() -> int:
         if args.outputs is not None:
             args.outputs.write_text(json.dumps(outputs))
     rules = {
-        "ngram": lambda r: replay_ngram(r, args.ngram_min, args.ngram_max, args.ngram_tokens),
-        "graft": lambda r: replay_graft(r, args.graft_tokens, peers=False),
-        "graft_peers": lambda r: replay_graft(r, args.graft_tokens, peers=True),
+        "ngram": lambda r, rounds: replay_ngram(r, args.ngram_min, args.ngram_max,
+                                                args.ngram_tokens, rounds),
+        "graft": lambda r, rounds: replay_graft(r, args.graft_tokens, False, rounds),
+        "graft_peers": lambda r, rounds: replay_graft(r, args.graft_tokens, True, rounds),
     }
     if importlib.util.find_spec("arctic_inference") is not None:
-        rules["suffix_own"] = lambda r: replay_suffix(r, args.suffix_tokens, shared=False)
-        rules["suffix"] = lambda r: replay_suffix(r, args.suffix_tokens, shared=True)
+        rules["suffix_own"] = lambda r, rounds: replay_suffix(r, args.suffix_tokens,
+                                                              False, rounds)
+        rules["suffix"] = lambda r, rounds: replay_suffix(r, args.suffix_tokens, True, rounds)
+    print("Tokens per step:")
     print("| dataset | " + " | ".join(rules) + " |")
     print("|---|" + "---|" * len(rules))
+    speeds = {}
     for name in datasets:
         requests = list(zip(job["datasets"][name], outputs[name]))
-        row = [f"{rule(requests):.3f}" for rule in rules.values()]
+        row, speeds[name] = [], []
+        for rule in rules.values():
+            rounds: list[tuple[int, int]] = []
+            row.append(f"{rule(requests, rounds):.3f}")
+            if cost is not None:
+                speeds[name].append(projected_ms(cost, plain_rounds(requests))
+                                    / projected_ms(cost, rounds))
         print(f"| {name} | " + " | ".join(row) + " |", flush=True)
+    if cost is not None:
+        print(f"\nProjected speed over plain decoding, verification forwards priced by "
+              f"{args.gpu_costs.name} ({cost.key.get('model', '')}, "
+              f"{cost.key.get('device', '')}, context {args.context}):")
+        print("| dataset | " + " | ".join(rules) + " |")
+        print("|---|" + "---|" * len(rules))
+        for name, row in speeds.items():
+            print(f"| {name} | " + " | ".join(f"{speed:.2f}" for speed in row) + " |")
     return 0
 
 

@@ -5,6 +5,7 @@ requests advancing in lockstep, so a rule reading peers sees their outputs so fa
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 import textwrap
@@ -78,3 +79,50 @@ def test_suffix_decoding_shares_responses_only_when_asked(replay):
     requests = [([1, 2, 3], shared_answer), ([4, 5, 6], shared_answer)]
     assert replay.replay_suffix(requests, 8, shared=True) \
         > replay.replay_suffix(requests, 8, shared=False)
+
+
+def test_rounds_report_the_query_tokens_each_step_verifies(replay):
+    """Each round reports its requests and the query tokens their steps verify (a
+    request's token and its proposal, cut to what its output has left); plain
+    decoding's rounds verify one token a request; a request leaves the rounds when its
+    output ends; a GPU's cost curves price each round at its batch and tokens."""
+    from vllm_graft.core.budget import CostModel
+
+    requests = [([7], [1, 2, 3, 4, 5]), ([7], [1, 9])]
+    proposals = {0: [2, 3, 0, 0], 1: [5, 5, 5]}
+    rounds = []
+    # request 0 accepts 2, 3 and emits 4 (4 query tokens: 1 and 3 of the 4 proposed,
+    # its output's end), request 1 emits its last token (1: nothing left to propose);
+    # then request 0 alone emits 5
+    assert replay.replay(requests, lambda i, contexts, _: proposals[i],
+                         rounds=rounds) == 5 / 3
+    assert rounds == [(2, 5), (1, 1)]
+    assert replay.plain_rounds(requests) == [(2, 2), (1, 1), (1, 1), (1, 1)]
+    # 9 ms plus 1 a query token at one request, 10 plus 1 at two
+    cost = CostModel(curves={1: ([1.0, 8.0], [10.0, 17.0]), 2: ([2.0, 16.0], [12.0, 26.0])})
+    assert replay.projected_ms(cost, rounds) == pytest.approx(15.0 + 10.0)
+    assert replay.projected_ms(cost, replay.plain_rounds(requests)) == pytest.approx(42.0)
+
+
+def test_the_projection_prices_every_rule_with_a_gpu_checks_curves(tmp_path):
+    """``--gpu-costs`` adds a table of each rule's projected speed over plain decoding;
+    a file that is no GPU check's report is refused, naming it."""
+    job, outputs = tmp_path / "job.json", tmp_path / "outputs.json"
+    job.write_text(json.dumps({"datasets": {"loop": [[11, 12, 13], [11, 12, 14]]}}))
+    outputs.write_text(json.dumps({"loop": [[7, 8] * 12, [7, 9] * 12]}))
+    rows = [{"context": 1024, "batch": batch, "total_tokens": tokens * batch,
+             "forward_ms": 10.0 * batch + tokens} for batch in (1, 8) for tokens in (1, 64)]
+    costs = tmp_path / "gpu_check.json"
+    costs.write_text(json.dumps({"sections": {"verification_cost": {"rows": rows}},
+                                 "environment": {"device_name": "a GPU"}}))
+    command = [sys.executable, str(SCRIPTS / "replay_proposals.py"), str(job),
+               "--outputs", str(outputs), "--gpu-costs"]
+    result = subprocess.run(command + [str(costs)], capture_output=True, text=True,
+                            timeout=300, cwd=SCRIPTS.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    projected = result.stdout.split("Projected speed over plain decoding")[1]
+    speeds = [float(cell) for cell in projected.splitlines()[-1].split("|")[2:-1]]
+    assert len(speeds) >= 3 and all(speed > 1.0 for speed in speeds), projected
+    result = subprocess.run(command + [str(job)], capture_output=True, text=True,
+                            timeout=300, cwd=SCRIPTS.parent)
+    assert result.returncode == 2 and f"--gpu-costs {job}" in result.stderr, result.stderr
