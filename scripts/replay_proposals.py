@@ -17,6 +17,10 @@ Rules (no budget cut, no cost):
 * ``graft``: Graft's copy-chain match (:meth:`ContextIndex.best_match`, the graft
   variant's default n-grams), ``--graft-tokens`` tokens; ``graft_peers`` also matches
   the running peers' outputs (what requests sharing a successor matrix see);
+  ``graft_sized`` (with ``--gpu-costs``): the own-text chains of a round cut together
+  by Graft's sizer as a chain step on that GPU would cut them (its verification curves,
+  the chain acceptance model seeded from ``--calibration`` and taught each whole
+  chain's outcome; no successor-matrix walk after the copy), the one sized rule;
 * ``suffix`` / ``suffix_own``: arctic-inference's suffix tree (vLLM's suffix method and
   its defaults), ``--suffix-tokens`` tokens, over every request's response (as vLLM
   runs it) or the request's own only; skipped when arctic-inference is not installed.
@@ -47,6 +51,9 @@ from pathlib import Path
 
 #: a rule: given the request, all requests' contexts and prompt lengths, a proposal
 Rule = Callable[[int, list[list[int]], list[int]], list[int]]
+#: a round's rule: given the requests in the round, all contexts and prompt lengths,
+#: each of those requests' proposal
+RoundRule = Callable[[list[int], list[list[int]], list[int]], dict[int, list[int]]]
 
 
 def accepted_prefix(proposal: Sequence[int], actual: Sequence[int]) -> int:
@@ -71,15 +78,18 @@ def prompt_lookup(context: Sequence[int], min_ngram: int, max_ngram: int,
         len(context) + tokens, tokens).tolist()
 
 
-def replay(requests: list[tuple[list[int], list[int]]], rule: Rule,
+def replay(requests: list[tuple[list[int], list[int]]], rule: Rule | None,
            on_tokens: Callable[[int, list[int]], None] | None = None,
-           rounds: list[tuple[int, int]] | None = None) -> float:
+           rounds: list[tuple[int, int]] | None = None,
+           propose_round: RoundRule | None = None) -> float:
     """Tokens per step of a rule over ``requests`` (prompt, greedy output) advancing in
     lockstep (module doc); the output's first token is the prefill's, not counted.
     ``on_tokens(request, tokens)``: called with each request's prompt and first token,
     then with each step's emitted tokens. ``rounds``: gets, per round, the requests in
     it and the query tokens their step verifies (each request's token and its proposal,
-    at most as many as its output has left)."""
+    at most as many as its output has left). ``propose_round``, instead of ``rule``:
+    the proposals of a whole round, from the requests in it (a rule that sizes a
+    batch's proposals together)."""
     contexts = [list(prompt) + list(output[:1]) for prompt, output in requests]
     prompt_lengths = [len(prompt) for prompt, _ in requests]
     positions = [1] * len(requests)
@@ -89,11 +99,15 @@ def replay(requests: list[tuple[list[int], list[int]]], rule: Rule,
     steps = emitted = 0
     while any(pos < len(out) for pos, (_, out) in zip(positions, requests)):
         active = query_tokens = 0
+        batch = {} if propose_round is None else propose_round(
+            [i for i, (_, out) in enumerate(requests) if positions[i] < len(out)],
+            contexts, prompt_lengths)
         for i, (_, output) in enumerate(requests):
             pos = positions[i]
             if pos >= len(output):
                 continue
-            proposal = rule(i, contexts, prompt_lengths)
+            proposal = batch[i] if propose_round is not None \
+                else rule(i, contexts, prompt_lengths)
             active += 1
             query_tokens += 1 + min(len(proposal), len(output) - pos - 1)
             new = list(output[pos:pos + accepted_prefix(proposal, output[pos:]) + 1])
@@ -131,11 +145,11 @@ def replay_ngram(requests, min_ngram: int, max_ngram: int, tokens: int,
         contexts[i], min_ngram, max_ngram, tokens), rounds=rounds)
 
 
-def replay_graft(requests, tokens: int, peers: bool,
-                 rounds: list[tuple[int, int]] | None = None) -> float:
+def context_indexes(requests) -> tuple[list, Callable[[int, list[int]], None]]:
+    """A context index per request (the graft variant's default n-grams), and the
+    :func:`replay` ``on_tokens`` that keeps them up to date."""
     from vllm_graft.core.config import ContextRetrievalConfig
     from vllm_graft.core.context import ContextIndex
-    from vllm_graft.core.shared_outputs import PeerOutputs
 
     defaults = ContextRetrievalConfig()
     indexes = [ContextIndex(min_ngram=defaults.min_ngram, max_ngram=defaults.max_ngram)
@@ -145,12 +159,51 @@ def replay_graft(requests, tokens: int, peers: bool,
         indexes[i].extend(new)
         indexes[i].catch_up()
 
+    return indexes, index_tokens
+
+
+def replay_graft(requests, tokens: int, peers: bool,
+                 rounds: list[tuple[int, int]] | None = None) -> float:
+    from vllm_graft.core.shared_outputs import PeerOutputs
+
+    indexes, index_tokens = context_indexes(requests)
+
     def rule(i: int, contexts, prompt_lengths) -> list[int]:
         shared = PeerOutputs([(index, prompt_lengths[j]) for j, index in enumerate(indexes)
                               if j != i]) if peers else None
         return indexes[i].best_match(tokens, shared)[1]
 
     return replay(requests, rule, index_tokens, rounds)
+
+
+def replay_graft_sized(requests, tokens: int, sizer,
+                       rounds: list[tuple[int, int]] | None = None) -> float:
+    """Graft's own-text copy chains as a chain step builds them (module doc): each
+    round's chains cut together by ``sizer`` (:class:`TreeSizer`), whose chain
+    acceptance model then learns each whole chain's outcome."""
+    from vllm_graft.core.chain import walk_chains
+    from vllm_graft.core.config import ContextRetrievalConfig
+    from vllm_graft.core.context import match_score
+
+    min_ngram = ContextRetrievalConfig().min_ngram
+    indexes, index_tokens = context_indexes(requests)
+
+    def propose_round(active: list[int], contexts, prompt_lengths) -> dict[int, list[int]]:
+        matches = [indexes[i].best_match(tokens) for i in active]
+        scores = [match_score(length, min_ngram) for length, _ in matches]
+        chains = walk_chains([contexts[i][-1] for i in active],
+                             [continuation for _, continuation in matches], None, tokens,
+                             max_walk=0, copied_scores=scores)
+        cut, _ = sizer.trim_chains(chains)
+        outcomes = []
+        for t, i in enumerate(active):
+            output = requests[i][1][len(contexts[i]) - prompt_lengths[i]:]
+            outcomes.append((chains.source[t][1:], chains.score[t][1:],
+                             accepted_prefix(chains.tokens[t][1:], output), 0))
+        sizer.observe_chains(outcomes)
+        return {i: cut.tokens[t][1:] for t, i in enumerate(active)}
+
+    return replay(requests, None, index_tokens, rounds, propose_round)
 
 
 def replay_suffix(requests, tokens: int, shared: bool,
@@ -204,6 +257,17 @@ def greedy_outputs(job: dict, datasets: list[str]) -> dict[str, list[list[int]]]
     return outputs
 
 
+def chain_sizer(cost, calibration: Path | None):
+    """A fresh :class:`TreeSizer` over ``cost``, its chain acceptance odds seeded from
+    ``calibration`` (a calibration file) where given."""
+    from vllm_graft.core.budget.sizer import build_budget_systems
+    from vllm_graft.core.calibration import load_calibration
+    from vllm_graft.core.config import GraftConfig
+
+    seed = None if calibration is None else load_calibration(calibration)
+    return build_budget_systems(GraftConfig(), cost, seed).sizer
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("job", type=Path, help="a benchmark's job file")
@@ -219,6 +283,9 @@ def main() -> int:
                              "verification cost curves (module doc)")
     parser.add_argument("--context", type=int, default=1024,
                         help="the context length of the curves --gpu-costs uses")
+    parser.add_argument("--calibration", type=Path,
+                        help="the calibration file whose chain acceptance odds seed "
+                             "graft_sized's sizer (default: none, the model's prior)")
     args = parser.parse_args()
     cost = None
     if args.gpu_costs is not None:
@@ -247,6 +314,9 @@ def main() -> int:
         "graft": lambda r, rounds: replay_graft(r, args.graft_tokens, False, rounds),
         "graft_peers": lambda r, rounds: replay_graft(r, args.graft_tokens, True, rounds),
     }
+    if cost is not None:
+        rules["graft_sized"] = lambda r, rounds: replay_graft_sized(
+            r, args.graft_tokens, chain_sizer(cost, args.calibration), rounds)
     if importlib.util.find_spec("arctic_inference") is not None:
         rules["suffix_own"] = lambda r, rounds: replay_suffix(r, args.suffix_tokens,
                                                               False, rounds)

@@ -126,3 +126,21 @@ def test_the_projection_prices_every_rule_with_a_gpu_checks_curves(tmp_path):
     result = subprocess.run(command + [str(job)], capture_output=True, text=True,
                             timeout=300, cwd=SCRIPTS.parent)
     assert result.returncode == 2 and f"--gpu-costs {job}" in result.stderr, result.stderr
+
+
+def test_sized_chains_follow_what_verifying_them_costs(replay):
+    """``graft_sized`` cuts a round's chains as Graft's sizer would on the GPU whose
+    curves price them: where more query tokens cost nothing, the chains stay whole (the
+    unsized rule's tokens a step); where a second token costs a hundred times the
+    first, no chain is worth verifying and every step emits one token."""
+    from vllm_graft.core.budget import CostModel
+
+    shared_answer = [21, 22, 23, 24, 25, 26, 27, 28] * 3
+    requests = [([1, 2, 3], shared_answer), ([4, 5, 6], shared_answer[::-1])]
+    flat = CostModel(curves={1: ([1.0, 64.0], [10.0, 10.0]), 8: ([8.0, 512.0], [10.0, 10.0])})
+    steep = CostModel(curves={1: ([1.0, 2.0], [10.0, 1000.0]),
+                              8: ([8.0, 16.0], [10.0, 8000.0])})
+    whole = replay.replay_graft(requests, 8, peers=False)
+    assert whole > 2.0
+    assert replay.replay_graft_sized(requests, 8, replay.chain_sizer(flat, None)) == whole
+    assert replay.replay_graft_sized(requests, 8, replay.chain_sizer(steep, None)) == 1.0
