@@ -9,7 +9,7 @@ continues with (greedy acceptance), plus the token after it. The requests of a d
 advance in lockstep, one step each per round, as a batch does, so a rule that reads
 other requests' outputs sees what a batch's peers would have produced by then.
 
-Rules (no budget cut, no cost):
+Rules (none cut to a budget but ``graft_sized``):
 
 * ``ngram``: vLLM's prompt lookup (the longest suffix of ``--ngram-max`` down to
   ``--ngram-min`` tokens found earlier, its first occurrence's continuation),
@@ -257,15 +257,13 @@ def greedy_outputs(job: dict, datasets: list[str]) -> dict[str, list[list[int]]]
     return outputs
 
 
-def chain_sizer(cost, calibration: Path | None):
+def chain_sizer(cost, calibration=None):
     """A fresh :class:`TreeSizer` over ``cost``, its chain acceptance odds seeded from
-    ``calibration`` (a calibration file) where given."""
+    ``calibration`` (a :class:`Calibration`) where given."""
     from vllm_graft.core.budget.sizer import build_budget_systems
-    from vllm_graft.core.calibration import load_calibration
     from vllm_graft.core.config import GraftConfig
 
-    seed = None if calibration is None else load_calibration(calibration)
-    return build_budget_systems(GraftConfig(), cost, seed).sizer
+    return build_budget_systems(GraftConfig(), cost, calibration).sizer
 
 
 def main() -> int:
@@ -287,13 +285,21 @@ def main() -> int:
                         help="the calibration file whose chain acceptance odds seed "
                              "graft_sized's sizer (default: none, the model's prior)")
     args = parser.parse_args()
-    cost = None
+    cost = calibration = None
     if args.gpu_costs is not None:
         from vllm_graft.core.budget import CostModel
         try:
             cost = CostModel.from_gpu_check(args.gpu_costs, args.context)
         except (OSError, ValueError, KeyError, TypeError) as error:
             parser.error(f"--gpu-costs {args.gpu_costs}: {error!r}")
+    if args.calibration is not None:
+        if cost is None:
+            parser.error("--calibration seeds graft_sized's sizer, which needs --gpu-costs")
+        from vllm_graft.core.calibration import load_calibration
+        try:
+            calibration = load_calibration(args.calibration)
+        except ValueError as error:  # CalibrationError: names the file
+            parser.error(f"--calibration: {error}")
     job = json.loads(args.job.read_text())
     datasets = args.datasets or list(job["datasets"])
     unknown = [name for name in datasets if name not in job["datasets"]]
@@ -316,7 +322,7 @@ def main() -> int:
     }
     if cost is not None:
         rules["graft_sized"] = lambda r, rounds: replay_graft_sized(
-            r, args.graft_tokens, chain_sizer(cost, args.calibration), rounds)
+            r, args.graft_tokens, chain_sizer(cost, calibration), rounds)
     if importlib.util.find_spec("arctic_inference") is not None:
         rules["suffix_own"] = lambda r, rounds: replay_suffix(r, args.suffix_tokens,
                                                               False, rounds)

@@ -106,7 +106,8 @@ def test_rounds_report_the_query_tokens_each_step_verifies(replay):
 
 def test_the_projection_prices_every_rule_with_a_gpu_checks_curves(tmp_path):
     """``--gpu-costs`` adds a table of each rule's projected speed over plain decoding;
-    a file that is no GPU check's report is refused, naming it."""
+    a file that is no GPU check's report or calibration is refused at start, naming
+    it, and a calibration without the costs it would size chains by too."""
     job, outputs = tmp_path / "job.json", tmp_path / "outputs.json"
     job.write_text(json.dumps({"datasets": {"loop": [[11, 12, 13], [11, 12, 14]]}}))
     outputs.write_text(json.dumps({"loop": [[7, 8] * 12, [7, 9] * 12]}))
@@ -123,9 +124,16 @@ def test_the_projection_prices_every_rule_with_a_gpu_checks_curves(tmp_path):
     projected = result.stdout.split("Projected speed over plain decoding")[1]
     speeds = [float(cell) for cell in projected.splitlines()[-1].split("|")[2:-1]]
     assert len(speeds) >= 3 and all(speed > 1.0 for speed in speeds), projected
-    result = subprocess.run(command + [str(job)], capture_output=True, text=True,
-                            timeout=300, cwd=SCRIPTS.parent)
-    assert result.returncode == 2 and f"--gpu-costs {job}" in result.stderr, result.stderr
+    for arguments, error in [([str(job)], f"--gpu-costs {job}"),
+                             ([str(costs), "--calibration", str(job)], str(job)),
+                             ([str(costs), "--calibration", str(tmp_path / "none.json")],
+                              "none.json")]:
+        result = subprocess.run(command + arguments, capture_output=True, text=True,
+                                timeout=300, cwd=SCRIPTS.parent)
+        assert result.returncode == 2 and error in result.stderr, result.stderr
+    result = subprocess.run(command[:-1] + ["--calibration", str(job)], capture_output=True,
+                            text=True, timeout=300, cwd=SCRIPTS.parent)
+    assert result.returncode == 2 and "needs --gpu-costs" in result.stderr, result.stderr
 
 
 def test_sized_chains_follow_what_verifying_them_costs(replay):
