@@ -20,7 +20,10 @@ Rules (none cut to a budget but ``graft_sized``):
   ``graft_sized`` (with ``--gpu-costs``): the own-text chains of a round cut together
   by Graft's sizer as a chain step on that GPU would cut them (its verification curves,
   the chain acceptance model seeded from ``--calibration`` and taught each whole
-  chain's outcome; no successor-matrix walk after the copy), the one sized rule;
+  chain's outcome), the one sized rule; with ``--warmup`` its chains continue past the
+  copy with the successor matrix's top-1 walk, ``--chain-walk`` tokens, as a chain
+  step's do (each request its own copy of the warm-up matrix, as a request naming no
+  tenant has, taught the target's next token at every position decoding emits);
 * ``suffix`` / ``suffix_own``: arctic-inference's suffix tree (vLLM's suffix method and
   its defaults), ``--suffix-tokens`` tokens, over every request's response (as vLLM
   runs it) or the request's own only; skipped when arctic-inference is not installed.
@@ -176,24 +179,54 @@ def replay_graft(requests, tokens: int, peers: bool,
     return replay(requests, rule, index_tokens, rounds)
 
 
+def learn_next_tokens(matrix, previous: int, new: list[int]) -> None:
+    """``matrix`` (a :class:`SuccessorMatrix`) taught that each of ``new`` follows the
+    token before it (the first, ``previous``): it becomes that token's first successor
+    (what a verified node's greedy target puts there), the row's others shift down,
+    empty places stay empty."""
+    import torch
+
+    for token, following in zip([previous] + new[:-1], new):
+        row = matrix.table[token].tolist()
+        kept = [t for t in row if t != following]
+        matrix.table[token] = torch.tensor([following] + kept[:matrix.k - 1],
+                                           dtype=matrix.table.dtype)
+
+
 def replay_graft_sized(requests, tokens: int, sizer,
-                       rounds: list[tuple[int, int]] | None = None) -> float:
+                       rounds: list[tuple[int, int]] | None = None,
+                       matrices: list | None = None, walk: int = 0) -> float:
     """Graft's own-text copy chains as a chain step builds them (module doc): each
     round's chains cut together by ``sizer`` (:class:`TreeSizer`), whose chain
-    acceptance model then learns each whole chain's outcome."""
-    from vllm_graft.core.chain import walk_chains
+    acceptance model then learns each whole chain's outcome; with ``matrices`` (one
+    :class:`SuccessorMatrix` a request), each chain continued by its matrix's top-1 walk
+    for at most ``walk`` tokens."""
+    from vllm_graft.core.chain import HostChains, walk_chains
     from vllm_graft.core.config import ContextRetrievalConfig
     from vllm_graft.core.context import match_score
 
     min_ngram = ContextRetrievalConfig().min_ngram
     indexes, index_tokens = context_indexes(requests)
+    started: set[int] = set()
+
+    def on_tokens(i: int, new: list[int]) -> None:
+        index_tokens(i, new)
+        if matrices is not None and i in started:  # not the prompt: decoding's tokens
+            context = indexes[i].tokens
+            learn_next_tokens(matrices[i], context[len(context) - len(new) - 1], new)
+        started.add(i)
 
     def propose_round(active: list[int], contexts, prompt_lengths) -> dict[int, list[int]]:
         matches = [indexes[i].best_match(tokens) for i in active]
         scores = [match_score(length, min_ngram) for length, _ in matches]
-        chains = walk_chains([contexts[i][-1] for i in active],
-                             [continuation for _, continuation in matches], None, tokens,
-                             max_walk=0, copied_scores=scores)
+        built = [walk_chains([contexts[i][-1]], [continuation], matrices[i], tokens,
+                             max_walk=walk, copied_scores=[score])
+                 if matrices is not None else
+                 walk_chains([contexts[i][-1]], [continuation], None, tokens, max_walk=0,
+                             copied_scores=[score])
+                 for i, (_, continuation), score in zip(active, matches, scores)]
+        chains = HostChains(*([row for chain in built for row in getattr(chain, field)]
+                              for field in ("tokens", "source", "score")))
         cut, _ = sizer.trim_chains(chains)
         outcomes = []
         for t, i in enumerate(active):
@@ -203,7 +236,7 @@ def replay_graft_sized(requests, tokens: int, sizer,
         sizer.observe_chains(outcomes)
         return {i: cut.tokens[t][1:] for t, i in enumerate(active)}
 
-    return replay(requests, None, index_tokens, rounds, propose_round)
+    return replay(requests, None, on_tokens, rounds, propose_round)
 
 
 def replay_suffix(requests, tokens: int, shared: bool,
@@ -284,6 +317,11 @@ def main() -> int:
     parser.add_argument("--calibration", type=Path,
                         help="the calibration file whose chain acceptance odds seed "
                              "graft_sized's sizer (default: none, the model's prior)")
+    parser.add_argument("--warmup", type=Path,
+                        help="the successor matrix file graft_sized's chains walk from "
+                             "(default: none, no walk after the copy)")
+    parser.add_argument("--chain-walk", type=int, default=3,
+                        help="the most tokens graft_sized's walk adds after a copy")
     args = parser.parse_args()
     cost = calibration = None
     if args.gpu_costs is not None:
@@ -292,9 +330,17 @@ def main() -> int:
             cost = CostModel.from_gpu_check(args.gpu_costs, args.context)
         except (OSError, ValueError, KeyError, TypeError) as error:
             parser.error(f"--gpu-costs {args.gpu_costs}: {error!r}")
+    for name in ("calibration", "warmup"):
+        if getattr(args, name) is not None and cost is None:
+            parser.error(f"--{name} serves graft_sized, which needs --gpu-costs")
+    warmup = None
+    if args.warmup is not None:
+        from vllm_graft.core.successor import SuccessorMatrix
+        try:
+            warmup = SuccessorMatrix.load(args.warmup)
+        except (OSError, ValueError) as error:
+            parser.error(f"--warmup {args.warmup}: {error}")
     if args.calibration is not None:
-        if cost is None:
-            parser.error("--calibration seeds graft_sized's sizer, which needs --gpu-costs")
         from vllm_graft.core.calibration import load_calibration
         try:
             calibration = load_calibration(args.calibration)
@@ -322,7 +368,9 @@ def main() -> int:
     }
     if cost is not None:
         rules["graft_sized"] = lambda r, rounds: replay_graft_sized(
-            r, args.graft_tokens, chain_sizer(cost, calibration), rounds)
+            r, args.graft_tokens, chain_sizer(cost, calibration), rounds,
+            None if warmup is None else [type(warmup)(warmup.table.clone()) for _ in r],
+            args.chain_walk)
     if importlib.util.find_spec("arctic_inference") is not None:
         rules["suffix_own"] = lambda r, rounds: replay_suffix(r, args.suffix_tokens,
                                                               False, rounds)

@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from tests.cli.helpers import SCRIPTS, script_module
 
@@ -106,8 +107,9 @@ def test_rounds_report_the_query_tokens_each_step_verifies(replay):
 
 def test_the_projection_prices_every_rule_with_a_gpu_checks_curves(tmp_path):
     """``--gpu-costs`` adds a table of each rule's projected speed over plain decoding;
-    a file that is no GPU check's report or calibration is refused at start, naming
-    it, and a calibration without the costs it would size chains by too."""
+    a file that is no GPU check's report, calibration or successor matrix is refused at
+    start, naming it, and a calibration or matrix without the costs it would size
+    chains by too."""
     job, outputs = tmp_path / "job.json", tmp_path / "outputs.json"
     job.write_text(json.dumps({"datasets": {"loop": [[11, 12, 13], [11, 12, 14]]}}))
     outputs.write_text(json.dumps({"loop": [[7, 8] * 12, [7, 9] * 12]}))
@@ -127,13 +129,15 @@ def test_the_projection_prices_every_rule_with_a_gpu_checks_curves(tmp_path):
     for arguments, error in [([str(job)], f"--gpu-costs {job}"),
                              ([str(costs), "--calibration", str(job)], str(job)),
                              ([str(costs), "--calibration", str(tmp_path / "none.json")],
-                              "none.json")]:
+                              "none.json"),
+                             ([str(costs), "--warmup", str(job)], f"--warmup {job}")]:
         result = subprocess.run(command + arguments, capture_output=True, text=True,
                                 timeout=300, cwd=SCRIPTS.parent)
         assert result.returncode == 2 and error in result.stderr, result.stderr
-    result = subprocess.run(command[:-1] + ["--calibration", str(job)], capture_output=True,
-                            text=True, timeout=300, cwd=SCRIPTS.parent)
-    assert result.returncode == 2 and "needs --gpu-costs" in result.stderr, result.stderr
+    for option in ("--calibration", "--warmup"):
+        result = subprocess.run(command[:-1] + [option, str(job)], capture_output=True,
+                                text=True, timeout=300, cwd=SCRIPTS.parent)
+        assert result.returncode == 2 and "needs --gpu-costs" in result.stderr, result.stderr
 
 
 def test_sized_chains_follow_what_verifying_them_costs(replay):
@@ -152,3 +156,29 @@ def test_sized_chains_follow_what_verifying_them_costs(replay):
     assert whole > 2.0
     assert replay.replay_graft_sized(requests, 8, replay.chain_sizer(flat, None)) == whole
     assert replay.replay_graft_sized(requests, 8, replay.chain_sizer(steep, None)) == 1.0
+
+
+def test_sized_chains_walk_the_successor_matrix_past_the_copy(replay):
+    """With a successor matrix per request, a chain continues past its copy (here: no
+    copy at all) by the matrix's top-1 walk, at most ``walk`` tokens, as a chain step's
+    does; decoding's tokens teach the matrix as it goes: a token's next token becomes
+    its row's first successor, the others shift down."""
+    from vllm_graft.core.budget import CostModel
+    from vllm_graft.core.successor import SuccessorMatrix
+
+    requests = [([1, 2, 3], [10, 11, 12, 13, 14, 15, 16])]
+    flat = CostModel(curves={1: ([1.0, 64.0], [10.0, 10.0]), 8: ([8.0, 512.0], [10.0, 10.0])})
+    knows = SuccessorMatrix.empty(32, 4)
+    for token in range(10, 16):
+        knows.table[token, 0] = token + 1
+    # from 10: 11 12 13 walked and accepted, 14 emitted; from 14: 15 16, the output's
+    # end: 6 tokens in 2 steps
+    walked = replay.replay_graft_sized(requests, 8, replay.chain_sizer(flat), None,
+                                       [knows], walk=3)
+    assert walked == 6 / 2
+    assert replay.replay_graft_sized(requests, 8, replay.chain_sizer(flat)) == 1.0
+    learner = SuccessorMatrix.empty(32, 4)
+    learner.table[5] = torch.tensor([7, 6, -1, -1], dtype=torch.int32)
+    replay.learn_next_tokens(learner, 4, [5, 6])
+    assert learner.table[4].tolist() == [5, -1, -1, -1]
+    assert learner.table[5].tolist() == [6, 7, -1, -1]
