@@ -6,8 +6,10 @@ decoding are generated once per prompt of a job file (the target alone, so every
 method would emit exactly these tokens), then each rule proposes at every step from the
 context a request would have, and accepts the proposal's longest prefix that the output
 continues with (greedy acceptance), plus the token after it. The requests of a dataset
-advance in lockstep, one step each per round, as a batch does, so a rule that reads
-other requests' outputs sees what a batch's peers would have produced by then.
+advance in lockstep, one step each per round, as a batch does, and every proposal of a
+round is made before any of its tokens are emitted, as a batch step's drafts are: a
+rule that reads other requests' outputs sees what the peers had emitted before the
+round.
 
 Rules (none cut to a budget but ``graft_sized``):
 
@@ -24,6 +26,9 @@ Rules (none cut to a budget but ``graft_sized``):
   copy with the successor matrix's top-1 walk, ``--chain-walk`` tokens, as a chain
   step's do (each request its own copy of the warm-up matrix, as a request naming no
   tenant has, taught the target's next token at every position decoding emits);
+  ``graft_sized_peers`` matches the peers' outputs too and walks one matrix that all
+  the requests share and teach (requests sharing a tenant's matrix, or isolation
+  global);
 * ``suffix`` / ``suffix_own``: arctic-inference's suffix tree (vLLM's suffix method and
   its defaults), ``--suffix-tokens`` tokens, over every request's response (as vLLM
   runs it) or the request's own only; skipped when arctic-inference is not installed.
@@ -101,17 +106,15 @@ def replay(requests: list[tuple[list[int], list[int]]], rule: Rule | None,
             on_tokens(i, context)
     steps = emitted = 0
     while any(pos < len(out) for pos, (_, out) in zip(positions, requests)):
-        active = query_tokens = 0
-        batch = {} if propose_round is None else propose_round(
-            [i for i, (_, out) in enumerate(requests) if positions[i] < len(out)],
-            contexts, prompt_lengths)
-        for i, (_, output) in enumerate(requests):
-            pos = positions[i]
-            if pos >= len(output):
-                continue
-            proposal = batch[i] if propose_round is not None \
-                else rule(i, contexts, prompt_lengths)
-            active += 1
+        active = [i for i, (_, out) in enumerate(requests) if positions[i] < len(out)]
+        # every proposal of a round before any of its tokens: a batch's requests draft
+        # their step from what the batch had emitted before it
+        proposals = propose_round(active, contexts, prompt_lengths) \
+            if propose_round is not None \
+            else {i: rule(i, contexts, prompt_lengths) for i in active}
+        query_tokens = 0
+        for i in active:
+            output, pos, proposal = requests[i][1], positions[i], proposals[i]
             query_tokens += 1 + min(len(proposal), len(output) - pos - 1)
             new = list(output[pos:pos + accepted_prefix(proposal, output[pos:]) + 1])
             positions[i] += len(new)
@@ -121,7 +124,7 @@ def replay(requests: list[tuple[list[int], list[int]]], rule: Rule | None,
             steps += 1
             emitted += len(new)
         if rounds is not None:
-            rounds.append((active, query_tokens))
+            rounds.append((len(active), query_tokens))
     return emitted / max(steps, 1)
 
 
@@ -195,15 +198,18 @@ def learn_next_tokens(matrix, previous: int, new: list[int]) -> None:
 
 def replay_graft_sized(requests, tokens: int, sizer,
                        rounds: list[tuple[int, int]] | None = None,
-                       matrices: list | None = None, walk: int = 0) -> float:
-    """Graft's own-text copy chains as a chain step builds them (module doc): each
-    round's chains cut together by ``sizer`` (:class:`TreeSizer`), whose chain
-    acceptance model then learns each whole chain's outcome; with ``matrices`` (one
-    :class:`SuccessorMatrix` a request), each chain continued by its matrix's top-1 walk
-    for at most ``walk`` tokens."""
+                       matrices: list | None = None, walk: int = 0,
+                       peers: bool = False) -> float:
+    """Graft's copy chains as a chain step builds them (module doc): each round's
+    chains cut together by ``sizer`` (:class:`TreeSizer`), whose chain acceptance
+    model then learns each whole chain's outcome; with ``matrices`` (one
+    :class:`SuccessorMatrix` a request: the same one where requests share it), each
+    chain continued by its matrix's top-1 walk for at most ``walk`` tokens; ``peers``:
+    copies matched in the other requests' outputs too (as of the round's start)."""
     from vllm_graft.core.chain import HostChains, walk_chains
     from vllm_graft.core.config import ContextRetrievalConfig
     from vllm_graft.core.context import match_score
+    from vllm_graft.core.shared_outputs import PeerOutputs
 
     min_ngram = ContextRetrievalConfig().min_ngram
     indexes, index_tokens = context_indexes(requests)
@@ -217,7 +223,9 @@ def replay_graft_sized(requests, tokens: int, sizer,
         started.add(i)
 
     def propose_round(active: list[int], contexts, prompt_lengths) -> dict[int, list[int]]:
-        matches = [indexes[i].best_match(tokens) for i in active]
+        matches = [indexes[i].best_match(tokens, PeerOutputs(
+            [(index, prompt_lengths[j]) for j, index in enumerate(indexes) if j != i])
+            if peers else None) for i in active]
         scores = [match_score(length, min_ngram) for length, _ in matches]
         built = [walk_chains([contexts[i][-1]], [continuation], matrices[i], tokens,
                              max_walk=walk, copied_scores=[score])
@@ -367,10 +375,18 @@ def main() -> int:
         "graft_peers": lambda r, rounds: replay_graft(r, args.graft_tokens, True, rounds),
     }
     if cost is not None:
-        rules["graft_sized"] = lambda r, rounds: replay_graft_sized(
-            r, args.graft_tokens, chain_sizer(cost, calibration), rounds,
-            None if warmup is None else [type(warmup)(warmup.table.clone()) for _ in r],
-            args.chain_walk)
+        def sized(requests, rounds, peers=False):
+            matrices = None
+            if warmup is not None:  # a private copy each, or one the requests share
+                copies = [type(warmup)(warmup.table.clone())
+                          for _ in (requests[:1] if peers else requests)]
+                matrices = copies * len(requests) if peers else copies
+            return replay_graft_sized(requests, args.graft_tokens,
+                                      chain_sizer(cost, calibration), rounds, matrices,
+                                      args.chain_walk, peers)
+
+        rules["graft_sized"] = sized
+        rules["graft_sized_peers"] = lambda requests, rounds: sized(requests, rounds, True)
     if importlib.util.find_spec("arctic_inference") is not None:
         rules["suffix_own"] = lambda r, rounds: replay_suffix(r, args.suffix_tokens,
                                                               False, rounds)

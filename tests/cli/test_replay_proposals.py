@@ -65,19 +65,27 @@ def test_graft_repeats_a_loop_that_prompt_lookup_proposes_a_period_of():
     """)
 
 
-def test_peers_are_read_as_far_as_they_have_advanced(replay):
+def test_peers_are_read_as_far_as_they_had_advanced_before_the_round(replay):
+    """A request copies what a peer had emitted before the round, never what the peer
+    emits in the same round (a batch's requests draft a step together): two requests
+    writing the same answer in step copy nothing from each other; one two tokens behind
+    copies the two the other is ahead by."""
     shared_answer = [21, 22, 23, 24, 25, 26, 27, 28]
-    first, second = ([1, 2, 3], shared_answer), ([4, 5, 6], shared_answer)
-    alone = replay.replay_graft([first, second], 8, peers=False)
-    together = replay.replay_graft([first, second], 8, peers=True)
-    assert together > alone == pytest.approx(1.0)
+    first, in_step = ([1, 2, 3], shared_answer), ([4, 5, 6], shared_answer)
+    behind = ([4, 5, 6], [31, 32] + shared_answer)
+    assert replay.replay_graft([first, in_step], 8, peers=True) == pytest.approx(1.0)
+    alone = replay.replay_graft([first, behind], 8, peers=False)
+    together = replay.replay_graft([first, behind], 8, peers=True)
+    assert alone == pytest.approx(1.0)
+    # 16 decoding tokens in 14 steps: the one behind emitted 23 24 25 in one
+    assert together == pytest.approx(16 / 14)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("arctic_inference") is None,
                     reason="arctic-inference (suffix decoding) is not installed")
 def test_suffix_decoding_shares_responses_only_when_asked(replay):
     shared_answer = [21, 22, 23, 24, 25, 26, 27, 28]
-    requests = [([1, 2, 3], shared_answer), ([4, 5, 6], shared_answer)]
+    requests = [([1, 2, 3], shared_answer), ([4, 5, 6], [31, 32] + shared_answer)]
     assert replay.replay_suffix(requests, 8, shared=True) \
         > replay.replay_suffix(requests, 8, shared=False)
 
