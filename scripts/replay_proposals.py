@@ -227,11 +227,9 @@ def replay_graft_sized(requests, tokens: int, sizer,
             [(index, prompt_lengths[j]) for j, index in enumerate(indexes) if j != i])
             if peers else None) for i in active]
         scores = [match_score(length, min_ngram) for length, _ in matches]
-        built = [walk_chains([contexts[i][-1]], [continuation], matrices[i], tokens,
-                             max_walk=walk, copied_scores=[score])
-                 if matrices is not None else
-                 walk_chains([contexts[i][-1]], [continuation], None, tokens, max_walk=0,
-                             copied_scores=[score])
+        built = [walk_chains([contexts[i][-1]], [continuation],
+                             None if matrices is None else matrices[i], tokens,
+                             max_walk=0 if matrices is None else walk, copied_scores=[score])
                  for i, (_, continuation), score in zip(active, matches, scores)]
         chains = HostChains(*([row for chain in built for row in getattr(chain, field)]
                               for field in ("tokens", "source", "score")))
