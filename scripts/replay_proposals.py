@@ -306,6 +306,9 @@ def chain_sizer(cost, calibration=None):
 
 
 def main() -> int:
+    from vllm_graft.core.config import GraftConfig
+
+    chains = GraftConfig.model_fields  # a chain step's defaults
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("job", type=Path, help="a benchmark's job file")
     parser.add_argument("--datasets", nargs="+", metavar="NAME")
@@ -313,7 +316,7 @@ def main() -> int:
     parser.add_argument("--ngram-min", type=int, default=3)
     parser.add_argument("--ngram-max", type=int, default=5)
     parser.add_argument("--ngram-tokens", type=int, default=10)
-    parser.add_argument("--graft-tokens", type=int, default=16)
+    parser.add_argument("--graft-tokens", type=int, default=chains["chain_tokens"].default)
     parser.add_argument("--suffix-tokens", type=int, default=20)
     parser.add_argument("--gpu-costs", type=Path, metavar="GPU_CHECK_JSON",
                         help="project each rule's speed with this GPU check's "
@@ -326,7 +329,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=Path,
                         help="the successor matrix file graft_sized's chains walk from "
                              "(default: none, no walk after the copy)")
-    parser.add_argument("--chain-walk", type=int, default=3,
+    parser.add_argument("--chain-walk", type=int, default=chains["chain_walk"].default,
                         help="the most tokens graft_sized's walk adds after a copy")
     args = parser.parse_args()
     cost = calibration = None

@@ -1,6 +1,7 @@
 """``scripts/replay_proposals.py`` replays what it says: vLLM's prompt-lookup rule
 (first occurrence of the longest suffix), greedy acceptance of a proposal's prefix, and
-requests advancing in lockstep, so a rule reading peers sees their outputs so far."""
+requests advancing in lockstep, so a rule reading peers sees what they had emitted
+before the round; and its GPU projection and sized chains."""
 
 from __future__ import annotations
 
@@ -14,6 +15,13 @@ import pytest
 import torch
 
 from tests.cli.helpers import SCRIPTS, script_module
+
+
+def flat_costs():
+    """GPU cost curves where more query tokens cost nothing."""
+    from vllm_graft.core.budget import CostModel
+
+    return CostModel(curves={1: ([1.0, 64.0], [10.0, 10.0]), 8: ([8.0, 512.0], [10.0, 10.0])})
 
 
 @pytest.fixture(scope="module")
@@ -157,13 +165,12 @@ def test_sized_chains_follow_what_verifying_them_costs(replay):
 
     shared_answer = [21, 22, 23, 24, 25, 26, 27, 28] * 3
     requests = [([1, 2, 3], shared_answer), ([4, 5, 6], shared_answer[::-1])]
-    flat = CostModel(curves={1: ([1.0, 64.0], [10.0, 10.0]), 8: ([8.0, 512.0], [10.0, 10.0])})
     steep = CostModel(curves={1: ([1.0, 2.0], [10.0, 1000.0]),
                               8: ([8.0, 16.0], [10.0, 8000.0])})
     whole = replay.replay_graft(requests, 8, peers=False)
     assert whole > 2.0
-    assert replay.replay_graft_sized(requests, 8, replay.chain_sizer(flat, None)) == whole
-    assert replay.replay_graft_sized(requests, 8, replay.chain_sizer(steep, None)) == 1.0
+    assert replay.replay_graft_sized(requests, 8, replay.chain_sizer(flat_costs())) == whole
+    assert replay.replay_graft_sized(requests, 8, replay.chain_sizer(steep)) == 1.0
 
 
 def test_sized_chains_walk_the_successor_matrix_past_the_copy(replay):
@@ -171,20 +178,18 @@ def test_sized_chains_walk_the_successor_matrix_past_the_copy(replay):
     copy at all) by the matrix's top-1 walk, at most ``walk`` tokens, as a chain step's
     does; decoding's tokens teach the matrix as it goes: a token's next token becomes
     its row's first successor, the others shift down."""
-    from vllm_graft.core.budget import CostModel
     from vllm_graft.core.successor import SuccessorMatrix
 
     requests = [([1, 2, 3], [10, 11, 12, 13, 14, 15, 16])]
-    flat = CostModel(curves={1: ([1.0, 64.0], [10.0, 10.0]), 8: ([8.0, 512.0], [10.0, 10.0])})
     knows = SuccessorMatrix.empty(32, 4)
     for token in range(10, 16):
         knows.table[token, 0] = token + 1
     # from 10: 11 12 13 walked and accepted, 14 emitted; from 14: 15 16, the output's
     # end: 6 tokens in 2 steps
-    walked = replay.replay_graft_sized(requests, 8, replay.chain_sizer(flat), None,
+    walked = replay.replay_graft_sized(requests, 8, replay.chain_sizer(flat_costs()), None,
                                        [knows], walk=3)
     assert walked == 6 / 2
-    assert replay.replay_graft_sized(requests, 8, replay.chain_sizer(flat)) == 1.0
+    assert replay.replay_graft_sized(requests, 8, replay.chain_sizer(flat_costs())) == 1.0
     learner = SuccessorMatrix.empty(32, 4)
     learner.table[5] = torch.tensor([7, 6, -1, -1], dtype=torch.int32)
     replay.learn_next_tokens(learner, 4, [5, 6])
