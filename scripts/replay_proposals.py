@@ -11,7 +11,7 @@ round is made before any of its tokens are emitted, as a batch step's drafts are
 rule that reads other requests' outputs sees what the peers had emitted before the
 round.
 
-Rules (none cut to a budget but ``graft_sized``):
+Rules (none cut to a budget but ``graft_sized`` and ``graft_guarded``):
 
 * ``ngram``: vLLM's prompt lookup (the longest suffix of ``--ngram-max`` down to
   ``--ngram-min`` tokens found earlier, its first occurrence's continuation),
@@ -29,6 +29,12 @@ Rules (none cut to a budget but ``graft_sized``):
   ``graft_sized_peers`` matches the peers' outputs too and walks one matrix that all
   the requests share and teach (requests sharing a tenant's matrix, or isolation
   global);
+  ``graft_guarded`` (with ``--gpu-costs``): budget auto's throughput guard and chain
+  scout choosing each round between ``graft_sized``'s chains and plain decoding, as
+  ``guard_modes: ["chain", "plain"]`` would (trees need the drafter, which no replay
+  runs), every round measured at its priced forward (no drafting, no bookkeeping, no
+  timing noise); the chains are built only for chain rounds and the scout's looks, as
+  the engine builds them;
 * ``suffix`` / ``suffix_own``: arctic-inference's suffix tree (vLLM's suffix method and
   its defaults), ``--suffix-tokens`` tokens, over every request's response (as vLLM
   runs it) or the request's own only; skipped when arctic-inference is not installed.
@@ -196,53 +202,146 @@ def learn_next_tokens(matrix, previous: int, new: list[int]) -> None:
                                            dtype=matrix.table.dtype)
 
 
-def replay_graft_sized(requests, tokens: int, sizer,
-                       rounds: list[tuple[int, int]] | None = None,
-                       matrices: list | None = None, walk: int = 0,
-                       peers: bool = False) -> float:
+class SizedChains:
     """Graft's copy chains as a chain step builds them (module doc): each round's
     chains cut together by ``sizer`` (:class:`TreeSizer`), whose chain acceptance
     model then learns each whole chain's outcome; with ``matrices`` (one
     :class:`SuccessorMatrix` a request: the same one where requests share it), each
     chain continued by its matrix's top-1 walk for at most ``walk`` tokens; ``peers``:
-    copies matched in the other requests' outputs too (as of the round's start)."""
-    from vllm_graft.core.chain import HostChains, walk_chains
-    from vllm_graft.core.config import ContextRetrievalConfig
-    from vllm_graft.core.context import match_score
-    from vllm_graft.core.shared_outputs import PeerOutputs
+    copies matched in the other requests' outputs too (as of the round's start).
+    :meth:`on_tokens` is :func:`replay`'s, keeping the indexes and matrices up to
+    date."""
 
-    min_ngram = ContextRetrievalConfig().min_ngram
-    indexes, index_tokens = context_indexes(requests)
-    started: set[int] = set()
+    def __init__(self, requests, tokens: int, sizer, matrices: list | None = None,
+                 walk: int = 0, peers: bool = False):
+        from vllm_graft.core.config import ContextRetrievalConfig
 
-    def on_tokens(i: int, new: list[int]) -> None:
-        index_tokens(i, new)
-        if matrices is not None and i in started:  # not the prompt: decoding's tokens
-            context = indexes[i].tokens
-            learn_next_tokens(matrices[i], context[len(context) - len(new) - 1], new)
-        started.add(i)
+        self.requests, self.tokens, self.sizer = requests, tokens, sizer
+        self.matrices, self.walk, self.peers = matrices, walk, peers
+        self.min_ngram = ContextRetrievalConfig().min_ngram
+        self.indexes, self._index_tokens = context_indexes(requests)
+        self._started: set[int] = set()
 
-    def propose_round(active: list[int], contexts, prompt_lengths) -> dict[int, list[int]]:
-        matches = [indexes[i].best_match(tokens, PeerOutputs(
-            [(index, prompt_lengths[j]) for j, index in enumerate(indexes) if j != i])
-            if peers else None) for i in active]
-        scores = [match_score(length, min_ngram) for length, _ in matches]
+    def on_tokens(self, i: int, new: list[int]) -> None:
+        self._index_tokens(i, new)
+        if self.matrices is not None and i in self._started:  # decoding's tokens
+            context = self.indexes[i].tokens
+            learn_next_tokens(self.matrices[i], context[len(context) - len(new) - 1], new)
+        self._started.add(i)
+
+    def build(self, active: list[int], contexts, prompt_lengths):
+        """The chains of the round's ``active`` requests, cut by the sizer: the cut
+        :class:`HostChains` (root first, in ``active``'s order) and the sizer's
+        :class:`Choice`; the sizer learns how the whole chains fare."""
+        from vllm_graft.core.chain import HostChains, walk_chains
+        from vllm_graft.core.context import match_score
+        from vllm_graft.core.shared_outputs import PeerOutputs
+
+        matches = [self.indexes[i].best_match(self.tokens, PeerOutputs(
+            [(index, prompt_lengths[j]) for j, index in enumerate(self.indexes) if j != i])
+            if self.peers else None) for i in active]
+        scores = [match_score(length, self.min_ngram) for length, _ in matches]
         built = [walk_chains([contexts[i][-1]], [continuation],
-                             None if matrices is None else matrices[i], tokens,
-                             max_walk=0 if matrices is None else walk, copied_scores=[score])
+                             None if self.matrices is None else self.matrices[i],
+                             self.tokens, max_walk=0 if self.matrices is None else self.walk,
+                             copied_scores=[score])
                  for i, (_, continuation), score in zip(active, matches, scores)]
         chains = HostChains(*([row for chain in built for row in getattr(chain, field)]
                               for field in ("tokens", "source", "score")))
-        cut, _ = sizer.trim_chains(chains)
+        cut, choice = self.sizer.trim_chains(chains)
         outcomes = []
         for t, i in enumerate(active):
-            output = requests[i][1][len(contexts[i]) - prompt_lengths[i]:]
+            output = self.requests[i][1][len(contexts[i]) - prompt_lengths[i]:]
             outcomes.append((chains.source[t][1:], chains.score[t][1:],
                              accepted_prefix(chains.tokens[t][1:], output), 0))
-        sizer.observe_chains(outcomes)
+        self.sizer.observe_chains(outcomes)
+        return cut, choice
+
+
+def replay_graft_sized(requests, tokens: int, sizer,
+                       rounds: list[tuple[int, int]] | None = None,
+                       matrices: list | None = None, walk: int = 0,
+                       peers: bool = False) -> float:
+    """Tokens per step of :class:`SizedChains` (its arguments) proposed at every
+    round."""
+    chains = SizedChains(requests, tokens, sizer, matrices, walk, peers)
+
+    def propose_round(active: list[int], contexts, prompt_lengths) -> dict[int, list[int]]:
+        cut, _ = chains.build(active, contexts, prompt_lengths)
         return {i: cut.tokens[t][1:] for t, i in enumerate(active)}
 
-    return replay(requests, None, on_tokens, rounds, propose_round)
+    return replay(requests, None, chains.on_tokens, rounds, propose_round)
+
+
+def replay_graft_guarded(chains: SizedChains, guard, scout, cost,
+                         rounds: list[tuple[int, int]] | None = None,
+                         modes: list[str] | None = None) -> float:
+    """Tokens per step of budget auto's choice between copy chains and plain
+    decoding: each round, ``guard`` (:class:`ThroughputGuard`) picks the mode, and
+    ``scout`` (:class:`ChainScout`, or None) may turn a plain round into a chain round,
+    as in a chain step's engine; a chain round verifies ``chains``' proposals (built,
+    as in the engine, only for chain rounds and the scout's looks), a plain one none.
+    The guard measures each round at the milliseconds ``cost`` (a GPU's curves) prices
+    its forward at and credits it as the engine does. ``modes`` gets each round's
+    mode."""
+    import torch
+
+    from vllm_graft.core.budget.scout import fired_step_gained
+    from vllm_graft.core.config import StepMode
+
+    rounds = [] if rounds is None else rounds
+    modes = [] if modes is None else modes
+    step: dict = {}
+    emitted: dict[int, int] = {}
+
+    def on_tokens(i: int, new: list[int]) -> None:
+        chains.on_tokens(i, new)
+        emitted[i] = len(new)
+
+    def observe() -> None:
+        """The last round, measured as the engine measures a step."""
+        active, mode = step["active"], step["mode"]
+        req_ids, row = [str(i) for i in active], [float(emitted[i]) for i in active]
+        batch, query_tokens = rounds[-1]
+        seconds = float(cost.verify_ms(batch, torch.tensor([float(query_tokens)]))[0]) / 1e3
+        credited = guard.credited_tokens(row, req_ids)
+        guard.advance(req_ids, row)
+        if scout is not None and mode is StepMode.CHAIN:
+            counted = guard.counted_seconds(mode, batch, seconds)
+            scout.observe(step["predicted"], step["step_ms"], credited, counted)
+            if step["replaced"] is not None:
+                scout.fired_step(gained=fired_step_gained(guard, step["replaced"], batch,
+                                                          credited, counted))
+        guard.observe(mode, batch, credited, seconds)
+        modes.append(mode.value)
+
+    def propose_round(active: list[int], contexts, prompt_lengths) -> dict[int, list[int]]:
+        if step:
+            observe()
+        else:  # the batch joins
+            guard.requests_joined(len(active), len(active), scouted=scout is not None)
+            if scout is not None:
+                scout.text_changed(len(active), len(active))
+        mode = guard.choose(len(active))
+        looks = scout is not None and scout.looks_at(guard, mode)
+        step.update(active=active, mode=mode, replaced=None, predicted=None, step_ms=None)
+        if mode is not StepMode.CHAIN and not looks:
+            return {i: [] for i in active}
+        cut, choice = chains.build(active, contexts, prompt_lengths)
+        step["predicted"] = guard.credited_tokens(choice.tokens_by_request(len(active)),
+                                                  [str(i) for i in active])
+        step["step_ms"] = choice.step_ms
+        if looks and scout.promising(step["predicted"], choice.step_ms,
+                                     guard.rate_of(len(active), mode)):
+            step["replaced"], step["mode"] = mode, StepMode.CHAIN
+        if step["mode"] is not StepMode.CHAIN:
+            return {i: [] for i in active}
+        return {i: cut.tokens[t][1:] for t, i in enumerate(active)}
+
+    tokens_per_step = replay(chains.requests, None, on_tokens, rounds, propose_round)
+    if step:
+        observe()
+    return tokens_per_step
 
 
 def replay_suffix(requests, tokens: int, shared: bool,
@@ -294,6 +393,18 @@ def greedy_outputs(job: dict, datasets: list[str]) -> dict[str, list[list[int]]]
                                     for p in job["datasets"][name]], params)
             outputs[name] = [list(r.outputs[0].token_ids) for r in results]
     return outputs
+
+
+def guard_and_scout(cost):
+    """Budget auto's throughput guard and chain scout, with their defaults, choosing
+    between copy chains and plain decoding (``guard_modes`` chain and plain: trees need
+    the drafter, which no replay runs)."""
+    from vllm_graft.core.budget.sizer import build_budget_systems
+    from vllm_graft.core.config import GraftConfig, StepMode
+
+    config = GraftConfig(guard_modes=(StepMode.CHAIN, StepMode.PLAIN))
+    systems = build_budget_systems(config, cost)
+    return systems.guard, systems.scout
 
 
 def chain_sizer(cost, calibration=None):
@@ -375,19 +486,31 @@ def main() -> int:
         "graft": lambda r, rounds: replay_graft(r, args.graft_tokens, False, rounds),
         "graft_peers": lambda r, rounds: replay_graft(r, args.graft_tokens, True, rounds),
     }
+    guarded_modes: list[list[str]] = []  # graft_guarded's modes, a list a dataset
     if cost is not None:
-        def sized(requests, rounds, peers=False):
+        def sized_chains(requests, peers=False) -> SizedChains:
             matrices = None
             if warmup is not None:  # a private copy each, or one the requests share
                 copies = [type(warmup)(warmup.table.clone())
                           for _ in (requests[:1] if peers else requests)]
                 matrices = copies * len(requests) if peers else copies
-            return replay_graft_sized(requests, args.graft_tokens,
-                                      chain_sizer(cost, calibration), rounds, matrices,
-                                      args.chain_walk, peers)
+            return SizedChains(requests, args.graft_tokens, chain_sizer(cost, calibration),
+                               matrices, args.chain_walk, peers)
+
+        def sized(requests, rounds, peers=False):
+            chains = sized_chains(requests, peers)
+            return replay_graft_sized(requests, chains.tokens, chains.sizer, rounds,
+                                      chains.matrices, chains.walk, peers)
+
+        def guarded(requests, rounds):
+            chains = sized_chains(requests)
+            guard, scout = guard_and_scout(cost)
+            guarded_modes.append(modes := [])
+            return replay_graft_guarded(chains, guard, scout, cost, rounds, modes)
 
         rules["graft_sized"] = sized
         rules["graft_sized_peers"] = lambda requests, rounds: sized(requests, rounds, True)
+        rules["graft_guarded"] = guarded
     if importlib.util.find_spec("arctic_inference") is not None:
         rules["suffix_own"] = lambda r, rounds: replay_suffix(r, args.suffix_tokens,
                                                               False, rounds)
@@ -414,6 +537,9 @@ def main() -> int:
         print("|---|" + "---|" * len(rules))
         for name, row in speeds.items():
             print(f"| {name} | " + " | ".join(f"{speed:.2f}" for speed in row) + " |")
+        print("\ngraft_guarded's chain rounds: " + ", ".join(
+            f"{name} {modes.count('chain')} of {len(modes)}"
+            for name, modes in zip(datasets, guarded_modes)))
     return 0
 
 

@@ -122,7 +122,8 @@ def test_rounds_report_the_query_tokens_each_step_verifies(replay):
 
 
 def test_the_projection_prices_every_rule_with_a_gpu_checks_curves(tmp_path):
-    """``--gpu-costs`` adds a table of each rule's projected speed over plain decoding;
+    """``--gpu-costs`` adds a table of each rule's projected speed over plain decoding
+and the guarded rule's chain rounds;
     a file that is no GPU check's report, calibration or successor matrix is refused at
     start, naming it, and a calibration or matrix without the costs it would size
     chains by too."""
@@ -140,8 +141,10 @@ def test_the_projection_prices_every_rule_with_a_gpu_checks_curves(tmp_path):
                             timeout=300, cwd=SCRIPTS.parent)
     assert result.returncode == 0, result.stderr[-3000:]
     projected = result.stdout.split("Projected speed over plain decoding")[1]
-    speeds = [float(cell) for cell in projected.splitlines()[-1].split("|")[2:-1]]
+    row = next(line for line in projected.splitlines() if line.startswith("| loop |"))
+    speeds = [float(cell) for cell in row.split("|")[2:-1]]
     assert len(speeds) >= 3 and all(speed > 1.0 for speed in speeds), projected
+    assert "graft_guarded's chain rounds: loop " in projected, projected
     for arguments, error in [([str(job)], f"--gpu-costs {job}"),
                              ([str(costs), "--calibration", str(job)], str(job)),
                              ([str(costs), "--calibration", str(tmp_path / "none.json")],
@@ -195,3 +198,33 @@ def test_sized_chains_walk_the_successor_matrix_past_the_copy(replay):
     replay.learn_next_tokens(learner, 4, [5, 6])
     assert learner.table[4].tolist() == [5, -1, -1, -1]
     assert learner.table[5].tolist() == [6, 7, -1, -1]
+
+
+def test_the_guard_keeps_chains_only_where_the_gpu_prices_them_worth_it(replay):
+    """``graft_guarded``: budget auto's guard and scout choose each round's mode from
+    what the rounds cost as priced (here apart from what the sizer believes, free
+    nodes): priced flat, chains run after the first probe of plain decoding and emit
+    what the sized chains emit but that probe; priced at a hundred plain steps a
+    chain, the guard decodes plainly after its probes, and the scout, whose fired
+    steps measured far slower than predicted, stops firing."""
+    from vllm_graft.core.budget import CostModel
+
+    answer = list(range(20, 60))
+    requests = [(answer + [5], answer), (answer[::-1] + [6], answer[::-1])]
+    steep = CostModel(curves={1: ([1.0, 2.0], [10.0, 1000.0]),
+                              8: ([8.0, 16.0], [10.0, 8000.0])})
+    sized = replay.replay_graft_sized(requests, 8, replay.chain_sizer(flat_costs()))
+    assert sized > 4.0
+
+    def guarded(pricing):
+        chains = replay.SizedChains(requests, 8, replay.chain_sizer(flat_costs()))
+        guard, scout = replay.guard_and_scout(pricing)
+        modes = []
+        return replay.replay_graft_guarded(chains, guard, scout, pricing, modes=modes), modes
+
+    flat_rate, flat_modes = guarded(flat_costs())
+    assert flat_modes[:2] == ["chain", "plain"] and set(flat_modes[2:]) == {"chain"}
+    assert sized > flat_rate > 0.8 * sized
+    steep_rate, steep_modes = guarded(steep)
+    assert steep_modes.count("chain") <= 3 and len(steep_modes) > 30, steep_modes
+    assert steep_rate < 0.4 * flat_rate
