@@ -1,6 +1,8 @@
 """GPU checks and profiles that need no vLLM (run by ``scripts/gpu_check.sh``).
 
-Sections, each recorded in one JSON (and a Markdown table) even when another fails:
+Sections, in the order they run (what matters most first), each recorded in one JSON (and
+a Markdown table) even when another fails; ``gpu_check.sh`` runs each in a process of its
+own, with its own time limit (:data:`SECTION_LIMITS_S`):
 
 * ``tree_kernel_check``: the Triton tree-attention kernel against the torch reference on
   fresh random mixed batches (prefill chunks, decodes, trees of 1 to 64 nodes, contexts
@@ -9,15 +11,6 @@ Sections, each recorded in one JSON (and a Markdown table) even when another fai
 * ``adapter_kernel_path``: the Graft adapter's kernel path against its SDPA path on tree
   attention plans, for the three paged-KV layouts the kernel reads (bf16, fp16), and the
   start-up layout check the adapter runs before using the kernel.
-* ``tree_kernel_timing``: Qwen3-8B attention shapes in bf16 (32 query heads, 8 KV heads,
-  head dim 128), 60-node trees over contexts of 1K and 8K at batch 1 / 8 / 32: the
-  kernel (several tile shapes in one launch, and split-K over the context with several
-  split counts and the automatic choice) against a dense causal FlashAttention call with
-  the same query rows (contiguous K/V, SDPA's flash backend) and against the per-request
-  SDPA fallback.
-* ``bookkeeping``: ``scripts/bench_core.py``'s Graft step bookkeeping on the device,
-  vocabulary 151,936, batch 1 / 8 / 32: the fused step (its ops and host reads counted)
-  beside the pure-torch path with the compiled successor ops.
 * ``whole_step``: one decoding step of a Qwen3-8B-shaped target (bf16, random weights,
   plain torch with the Triton tree kernel over a paged KV cache) and EAGLE-3 head at
   batch 1 / 8 / 32 and context 1K / 8K: Graft's draft loop (the head between the fused
@@ -26,17 +19,26 @@ Sections, each recorded in one JSON (and a Markdown table) even when another fai
   step and EAGLE-3 chain steps of 3 and 5 tokens (FlashAttention through SDPA, CUDA
   graphs); Graft's bookkeeping as a share of the step, and the tokens/s each would make
   with the mean accepted tokens of the committed CPU results (``--mat-*`` overrides).
-* ``build_phases``: a tree build's ops and waits for the host at batch 1 / 8 / 32, and
-  its merge eager, with a static depth bound, and under ``torch.compile`` (default mode
-  and CUDA graphs): whether compiling the merge pays on the device.
-* ``verification_cost``: forward time of a randomly initialised Qwen3-8B-shaped model
-  (bf16, transformers) verifying 1 to 128 query tokens per request over a context, at
-  batch 1 / 8 / 32: the hardware profile the cost-aware tree size uses.
+* ``tree_kernel_timing``: Qwen3-8B attention shapes in bf16 (32 query heads, 8 KV heads,
+  head dim 128), 60-node trees over contexts of 1K and 8K at batch 1 / 8 / 32: the
+  kernel (several tile shapes in one launch, and split-K over the context with several
+  split counts and the automatic choice) against a dense causal FlashAttention call with
+  the same query rows (contiguous K/V, SDPA's flash backend) and against the per-request
+  SDPA fallback.
 * ``graph_bookkeeping``: the step's greedy bookkeeping without waits for the host
   (the wait-free tree build, the greedy verification with a bounded walk), each part
   captured as one CUDA graph and replayed, and the fused step captured whole as one
   graph, at batch 1 / 8 / 32 with fixed-shape trees: what it costs once launches are
   gone, and its share of a step.
+* ``bookkeeping``: ``scripts/bench_core.py``'s Graft step bookkeeping on the device,
+  vocabulary 151,936, batch 1 / 8 / 32: the fused step (its ops and host reads counted)
+  beside the pure-torch path with the compiled successor ops.
+* ``verification_cost``: forward time of a randomly initialised Qwen3-8B-shaped model
+  (bf16, transformers) verifying 1 to 128 query tokens per request over a context, at
+  batch 1 / 8 / 32: the hardware profile the cost-aware tree size uses.
+* ``build_phases``: a tree build's ops and waits for the host at batch 1 / 8 / 32, and
+  its merge eager, with a static depth bound, and under ``torch.compile`` (default mode
+  and CUDA graphs): whether compiling the merge pays on the device.
 
 ``--smoke`` runs every section on the CPU at toy sizes (Triton under its interpreter),
 to check this script itself on a machine without a GPU.
@@ -1362,7 +1364,8 @@ def project_throughput(rows: list[dict], mats: dict) -> list[dict]:
     return goals
 
 
-def whole_step(device: torch.device, smoke: bool, mats: dict | None = None) -> dict:
+def whole_step(device: torch.device, smoke: bool, mats: dict | None = None,
+               budget_s: float | None = None) -> dict:
     """One decoding step of a Qwen3-8B-shaped target (bf16, random weights) with a
     Qwen3-8B-shaped EAGLE-3 head, at batch 1 / 8 / 32 and context 1K / 8K:
 
@@ -1382,8 +1385,9 @@ def whole_step(device: torch.device, smoke: bool, mats: dict | None = None) -> d
     * the projected tokens/s (batch x MAT / step time) of each, with ``mats`` (name ->
       (MAT, source); default: the committed CPU results, :func:`committed_mat`).
 
-    A shape whose cache does not fit, or past the section's time budget, is skipped with
-    the reason; a failed capture is recorded and the part timed eagerly."""
+    A shape whose cache does not fit, or past the section's time budget
+    (:data:`WHOLE_STEP_BUDGET_S`, or ``budget_s`` where less), is skipped with the
+    reason; a failed capture is recorded and the part timed eagerly."""
     import gc
 
     if mats is None:
@@ -1397,7 +1401,8 @@ def whole_step(device: torch.device, smoke: bool, mats: dict | None = None) -> d
     torch.manual_seed(0)
     target = Target(shape, device, dtype, max(contexts) + 128)
     head = Eagle3Head(target, device)
-    deadline = time.perf_counter() + WHOLE_STEP_BUDGET_S
+    budget_s = WHOLE_STEP_BUDGET_S if budget_s is None else min(budget_s, WHOLE_STEP_BUDGET_S)
+    deadline = time.perf_counter() + budget_s
     rows = []
     with torch.no_grad():
         for batch in batches:
@@ -1408,7 +1413,7 @@ def whole_step(device: torch.device, smoke: bool, mats: dict | None = None) -> d
                 need = (PagedKV.nbytes(shape.layers + 1, batch, capacity, shape.kv_heads,
                                        shape.head_dim, dtype) + logits_bytes + (3 << 30))
                 if time.perf_counter() > deadline:
-                    reason = f"the section's time budget ({WHOLE_STEP_BUDGET_S:.0f} s) is spent"
+                    reason = f"the section's time budget ({budget_s:.0f} s) is spent"
                 elif _gpu(device):
                     free = torch.cuda.mem_get_info(device)[0]
                     if need > free:
@@ -1451,13 +1456,26 @@ def whole_step(device: torch.device, smoke: bool, mats: dict | None = None) -> d
                 rows=rows, goals=goals)
 
 
+#: the sections in the order they run, what matters most first (``gpu_check.sh`` runs
+#: each in a process of its own, so that a hang, a crash or a lost CUDA context costs
+#: only its own section, and skips those its time budget cannot reach)
 SECTIONS = {"tree_kernel_check": tree_kernel_check, "adapter_kernel_path": adapter_kernel_path,
-            "tree_kernel_timing": tree_kernel_timing, "bookkeeping": bookkeeping,
-            # early: the numbers this check exists for, before the slow sections
-            "whole_step": whole_step,
-            "build_phases": build_phases, "verification_cost": verification_cost,
-            # last: a refused capture may leave the device unusable for what follows
-            "graph_bookkeeping": graph_bookkeeping}
+            "whole_step": whole_step, "tree_kernel_timing": tree_kernel_timing,
+            "graph_bookkeeping": graph_bookkeeping, "bookkeeping": bookkeeping,
+            # measured twice before (2026-11-30, 2026-12-04; within 2 %)
+            "verification_cost": verification_cost,
+            # cold torch.compile: the least predictable time
+            "build_phases": build_phases}
+#: the most seconds ``gpu_check.sh`` gives each section's process on a GPU (whole_step
+#: keeps its own budget within it)
+SECTION_LIMITS_S = {"tree_kernel_check": 60, "adapter_kernel_path": 45, "whole_step": 200,
+                    "tree_kernel_timing": 90, "graph_bookkeeping": 90, "bookkeeping": 90,
+                    "verification_cost": 150, "build_phases": 150}
+#: the same on the CPU (``--smoke``: toy sizes, Triton's interpreter)
+SMOKE_LIMIT_S = 300
+#: a section's record while it runs: what stays if its process never returns
+UNFINISHED = ("did not finish: its process was killed (the time limit gpu_check.sh gave "
+              "it) or crashed; see gpu_check.log")
 
 
 # ---- report -----------------------------------------------------------------------------
@@ -1473,8 +1491,11 @@ def markdown(report: dict) -> str:
         result = report["sections"].get(name)
         if result is None:
             continue
-        lines += [f"## {name}: {'ok' if result.get('ok') else 'FAILED'} "
-                  f"({result.get('seconds', 0):.1f} s)", ""]
+        status = "ok" if result.get("ok") else "SKIPPED" if "skipped" in result else "FAILED"
+        lines += [f"## {name}: {status} ({result.get('seconds', 0):.1f} s)", ""]
+        if "skipped" in result:
+            lines += [f"Not run: {result['skipped']}", ""]
+            continue
         if "error" in result:
             lines += ["```", result["error"].strip(), "```", ""]
             continue
@@ -1579,6 +1600,7 @@ def environment(device: torch.device) -> dict:
 
 
 def write_report(report: dict, out: Path) -> str:
+    add_bookkeeping_shares(report["sections"])
     report["finished"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
     text = markdown(report)
@@ -1586,11 +1608,75 @@ def write_report(report: dict, out: Path) -> str:
     return text
 
 
+def pairs(items: list[str], option: str) -> dict[str, str]:
+    """``NAME=VALUE`` command-line items as a dict (``option`` names them in errors)."""
+    if bad := [item for item in items if "=" not in item]:
+        raise SystemExit(f"gpu_check: {option} takes NAME=VALUE, got {bad}")
+    return dict(item.split("=", 1) for item in items)
+
+
+def run_sections(names: list[str], report: dict, out: Path, device: torch.device,
+                 smoke: bool, mats: dict, limit_s: float | None) -> None:
+    """Each section of ``names`` into ``report``, written after each; a section's error is
+    recorded and the next runs, unless the device is lost (then they are not run)."""
+    for position, name in enumerate(names):
+        print(f"gpu_check: {name} ...", flush=True)
+        report["sections"][name] = {"ok": False, "error": UNFINISHED}
+        write_report(report, out)
+        begin = time.perf_counter()
+        try:
+            options = {}
+            if name == "whole_step":
+                options = {"mats": mats, "budget_s": None if limit_s is None
+                           else max(limit_s - 40.0, 10.0)}  # set-up and report in the rest
+            result = SECTIONS[name](device, smoke, **options)
+        except Exception:  # recorded, and the remaining sections still run
+            result = {"ok": False, "error": traceback.format_exc()}
+            print(result["error"], file=sys.stderr)
+        result["seconds"] = time.perf_counter() - begin
+        report["sections"][name] = result
+        print(f"gpu_check: {name} {'ok' if result['ok'] else 'FAILED'} "
+              f"({result['seconds']:.1f} s)", flush=True)
+        lost = None
+        if device.type == "cuda":
+            try:  # after an illegal address or a device assert, this raises too
+                torch.cuda.synchronize(device)
+                torch.cuda.empty_cache()
+            except Exception as error:
+                lost = f"the CUDA context was lost after {name}: {_error(error)}"
+        if lost is not None:
+            result["ok"] = False
+            result.setdefault("error", lost)
+            for later in names[position + 1:]:
+                report["sections"][later] = {"ok": False, "skipped": lost}
+        write_report(report, out)  # after every section: a later time-out keeps these
+        if lost is not None:
+            print(f"gpu_check: {lost}; sections not run: {names[position + 1:]}",
+                  file=sys.stderr, flush=True)
+            return
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="folder for gpu_check.json / .md")
     parser.add_argument("--smoke", action="store_true", help="CPU, toy sizes")
-    parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
+    parser.add_argument("--sections", nargs="*", choices=list(SECTIONS), default=None,
+                        help="the sections to run (default: all; none with --finish)")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the chosen sections, each with its time limit in "
+                             "seconds (SECTION_LIMITS_S), and exit")
+    parser.add_argument("--merge", action="store_true",
+                        help="add to the report already in --out instead of a new one")
+    parser.add_argument("--limit-s", type=float, default=None,
+                        help="the time this process was given (whole_step keeps within it)")
+    parser.add_argument("--finish", action="store_true",
+                        help="run no section: complete the report in --out (--killed, "
+                             "--not-run, --preflight), print it, and exit 0 only if every "
+                             "section passed")
+    parser.add_argument("--killed", action="append", default=[], metavar="NAME=SECONDS",
+                        help="with --finish: the section's process was killed at its limit")
+    parser.add_argument("--not-run", action="append", default=[], metavar="NAME=REASON",
+                        help="with --finish: the section was not started, and why")
     parser.add_argument("--preflight", action="append", default=[],
                         help="NAME=STATUS lines from the shell script (build, ops tests)")
     for name, (folder, method, chain) in MAT_RESULTS.items():
@@ -1598,6 +1684,11 @@ def main() -> int:
                             help=f"whole_step's mean accepted tokens per step of {name} "
                                  f"(default: the committed CPU result, bench/results/{folder})")
     args = parser.parse_args()
+    names = ([] if args.finish else list(SECTIONS)) if args.sections is None else args.sections
+    if args.plan:
+        for name in names:
+            print(name, SMOKE_LIMIT_S if args.smoke else SECTION_LIMITS_S[name])
+        return 0
     mats = {name: (getattr(args, f"mat_{name}"), f"--mat-{name}")
             if getattr(args, f"mat_{name}") is not None else committed_mat(name)
             for name in MAT_RESULTS}
@@ -1607,28 +1698,23 @@ def main() -> int:
         print("gpu_check: torch sees no CUDA device; nothing measured", file=sys.stderr)
         return 2
     device = torch.device("cpu" if args.smoke else "cuda")
-    report = {"environment": environment(device), "smoke": args.smoke,
-              "preflight": dict(item.split("=", 1) for item in args.preflight),
-              "sections": {}}
-    for name in args.sections:
-        print(f"gpu_check: {name} ...", flush=True)
-        begin = time.perf_counter()
-        try:
-            options = {"mats": mats} if name == "whole_step" else {}
-            result = SECTIONS[name](device, args.smoke, **options)
-        except Exception:  # recorded, and the remaining sections still run
-            result = {"ok": False, "error": traceback.format_exc()}
-            print(result["error"], file=sys.stderr)
-        result["seconds"] = time.perf_counter() - begin
-        report["sections"][name] = result
-        print(f"gpu_check: {name} {'ok' if result['ok'] else 'FAILED'} "
-              f"({result['seconds']:.1f} s)", flush=True)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        write_report(report, out)  # after every section: a later time-out keeps these
-    add_bookkeeping_shares(report["sections"])
-    print(write_report(report, out))
-    return 0 if all(r["ok"] for r in report["sections"].values()) else 1
+    existing = out / "gpu_check.json"
+    report = json.loads(existing.read_text()) if (args.merge or args.finish) \
+        and existing.exists() else {"sections": {}}
+    report.update(environment=environment(device), smoke=args.smoke)
+    report.setdefault("preflight", {}).update(pairs(args.preflight, "--preflight"))
+    for name, seconds in pairs(args.killed, "--killed").items():
+        report["sections"][name] = {"ok": False, "seconds": float(seconds), "error": (
+            f"killed at its time limit of {seconds} s (gpu_check.sh): a hang, or more work "
+            f"than the limit; what it printed is in gpu_check.log")}
+    for name, reason in pairs(args.not_run, "--not-run").items():
+        report["sections"][name] = {"ok": False, "skipped": reason}
+    run_sections(names, report, out, device, args.smoke, mats, args.limit_s)
+    text = write_report(report, out)
+    if args.finish or args.sections is None:
+        print(text)
+    sections = report["sections"].values()
+    return 0 if sections and all(r["ok"] for r in sections) else 1
 
 
 if __name__ == "__main__":

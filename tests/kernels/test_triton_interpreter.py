@@ -87,6 +87,31 @@ def test_gpu_check_smoke_run(tmp_path):
     assert "Projected tokens/s" in report and "graft_over_chain" in report, report
 
 
+@needs_interpreter
+def test_gpu_check_keeps_going_past_a_hung_section(tmp_path):
+    """Each section runs in a process of its own with a time limit: one that hangs is
+    killed there and recorded as such, the sections the time budget cannot reach are
+    recorded as not run, the report is written whole, and the script fails."""
+    python = tmp_path / "python"  # whole_step hangs, as a kernel never run before might
+    python.write_text('#!/bin/bash\n'
+                      'case " $* " in *" --sections whole_step --limit-s "*) exec sleep 600;;\n'
+                      'esac\n'
+                      f'exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(interpreter_env(), PYTHON=str(python), GPU_CHECK_BUDGET_S="45",
+               GPU_CHECK_SECTIONS="whole_step tree_kernel_check")
+    result = subprocess.run(["bash", "scripts/gpu_check.sh", str(out), "--smoke"], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "gpu_check: whole_step killed at its time limit" in result.stdout, result.stdout
+    sections = json.loads((out / "gpu_check.json").read_text())["sections"]
+    assert "killed at its time limit" in sections["whole_step"]["error"], sections
+    assert "time budget (45 s) was spent" in sections["tree_kernel_check"]["skipped"], sections
+    report = (out / "gpu_check.md").read_text()
+    assert "## whole_step: FAILED" in report and "## tree_kernel_check: SKIPPED" in report
+
+
 def test_gpu_check_mat_and_projection():
     """The whole step's MAT defaults come from the committed CPU results; tokens/s =
     batch x MAT / step time, and the goals compare Graft with the better chain at the
