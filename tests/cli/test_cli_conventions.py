@@ -114,6 +114,21 @@ def test_engine_options_are_passed_to_the_engine_as_given(command):
     assert engine_options(given) == {
         "dtype": "bfloat16", "tensor_parallel_size": 8, "max_model_len": 32768,
         "gpu_memory_utilization": 0.85, "max_num_seqs": 64}
+    for flag, eager in (("--enforce-eager", True), ("--no-enforce-eager", False)):
+        assert engine_options(parser.parse_args(required + [flag]))["enforce_eager"] is eager
+
+
+def test_the_tools_engines_capture_cuda_graphs_where_there_is_a_gpu(monkeypatch):
+    """Unless the command line says otherwise, a tool's engine runs eagerly only where
+    there is no GPU: on a GPU it captures CUDA graphs, as ``vllm serve`` does, so a
+    benchmark there compares what servers run."""
+    from vllm_graft.offline import engine
+
+    for gpu in (False, True):
+        monkeypatch.setattr(engine, "has_gpu", lambda gpu=gpu: gpu)
+        assert engine.engine_settings(max_num_seqs=4)["enforce_eager"] is not gpu
+        assert engine.engine_settings(enforce_eager=False)["enforce_eager"] is False
+        assert engine.engine_settings(enforce_eager=True)["enforce_eager"] is True
 
 
 def test_the_trainers_answer_engine_fits_a_prompt_and_its_answer():

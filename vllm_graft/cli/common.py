@@ -64,15 +64,22 @@ def add_engine_options(parser, *, dtype: str = "auto", max_model_len: int = 4096
                        help="share of each GPU's memory vLLM may use")
     group.add_argument("--max-num-seqs", type=int, default=max_num_seqs,
                        help="requests the engine runs at once")
+    group.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction,
+                       default=None, help="run the models without CUDA graphs (default: "
+                       "only where there is no GPU, as vllm serve would on a GPU)")
 
 
 def engine_options(args) -> dict:
     """The engine arguments of :func:`add_engine_options`, keyed as vLLM's ``LLM``
-    takes them."""
-    return {"dtype": args.dtype, "tensor_parallel_size": args.tensor_parallel_size,
-            "max_model_len": args.max_model_len,
-            "gpu_memory_utilization": args.gpu_memory_utilization,
-            "max_num_seqs": args.max_num_seqs}
+    takes them (``enforce_eager`` only where given: the engine's default depends on the
+    machine, :func:`vllm_graft.offline.engine.engine`)."""
+    options = {"dtype": args.dtype, "tensor_parallel_size": args.tensor_parallel_size,
+               "max_model_len": args.max_model_len,
+               "gpu_memory_utilization": args.gpu_memory_utilization,
+               "max_num_seqs": args.max_num_seqs}
+    if args.enforce_eager is not None:
+        options["enforce_eager"] = args.enforce_eager
+    return options
 
 
 def add_num_prompts(parser, default: int, help: str) -> None:

@@ -17,9 +17,10 @@ from pathlib import Path
 
 from vllm_graft.assets.datasets import Prompt
 
-#: what every engine here is started with unless the caller passes its own
+#: what every engine here is started with unless the caller passes its own (and
+#: ``enforce_eager`` where there is no GPU: :func:`engine_settings`)
 DEFAULT_ENGINE_SETTINGS = {"dtype": "float32", "max_model_len": 4096, "max_num_seqs": 16,
-                           "enforce_eager": True, "seed": 0, "disable_log_stats": False}
+                           "seed": 0, "disable_log_stats": False}
 
 
 def has_gpu() -> bool:
@@ -27,6 +28,14 @@ def has_gpu() -> bool:
     if smi is None:
         return False
     return subprocess.run([smi, "-L"], capture_output=True).returncode == 0
+
+
+def engine_settings(**options) -> dict:
+    """:data:`DEFAULT_ENGINE_SETTINGS` with ``options`` (vLLM's engine arguments) over
+    them, eager unless ``options`` say otherwise only where there is no GPU: on a GPU the
+    engine captures CUDA graphs as ``vllm serve`` does, so that what the tools measure
+    there (a benchmark's speeds, a calibration's costs) is what a server would run."""
+    return {"enforce_eager": not has_gpu(), **DEFAULT_ENGINE_SETTINGS, **options}
 
 
 def cpu_runtime_defaults(environ=os.environ) -> None:
@@ -44,16 +53,15 @@ def cpu_runtime_defaults(environ=os.environ) -> None:
 
 @contextlib.contextmanager
 def engine(model: str, speculative_config=None, **options):
-    """An LLM that is shut down when the block ends: :data:`DEFAULT_ENGINE_SETTINGS`
-    with ``options`` (vLLM's engine arguments) over them. In-process unless the caller
+    """An LLM that is shut down when the block ends, started with
+    :func:`engine_settings` of ``options``. In-process unless the caller
     chose otherwise: the tools run functions in the worker through ``collective_rpc``
     (an engine process of its own would need them pickled), and it starts several
     times faster."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
 
-    llm = LLM(model=model, speculative_config=speculative_config,
-              **{**DEFAULT_ENGINE_SETTINGS, **options})
+    llm = LLM(model=model, speculative_config=speculative_config, **engine_settings(**options))
     try:
         yield llm
     finally:

@@ -63,11 +63,14 @@ def generate_answers(model: str, prompts: list[Prompt], out: Path, *, max_prompt
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from vllm_graft.offline.engine import has_gpu
+
     tokenizer = AutoTokenizer.from_pretrained(model)
     ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
     ids = [x for x in ids if len(x) <= max_prompt_tokens]
-    llm = LLM(model=model, enforce_eager=True, seed=0,
-              **{"max_model_len": max_prompt_tokens + max_tokens, "max_num_seqs": 64,
+    llm = LLM(model=model, seed=0,
+              **{"enforce_eager": not has_gpu(),
+                 "max_model_len": max_prompt_tokens + max_tokens, "max_num_seqs": 64,
                  **engine_options, "dtype": dtype})
     outputs = llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids],
                            SamplingParams(temperature=0.0, max_tokens=max_tokens),
