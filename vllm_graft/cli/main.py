@@ -16,7 +16,8 @@ import importlib.metadata as metadata
 import os
 import sys
 
-from vllm_graft.offline.engine import cpu_runtime_defaults, has_gpu
+from vllm_graft.machine import has_gpu
+from vllm_graft.offline.engine import cpu_runtime_defaults
 
 COMMANDS = {
     "serve": "run vLLM's OpenAI-compatible server (same arguments as `vllm serve`)",

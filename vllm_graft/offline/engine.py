@@ -10,24 +10,16 @@ import gc
 import hashlib
 import json
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 from vllm_graft.assets.datasets import Prompt
+from vllm_graft.machine import has_gpu
 
 #: what every engine here is started with unless the caller passes its own (and
 #: ``enforce_eager`` where there is no GPU: :func:`engine_settings`)
 DEFAULT_ENGINE_SETTINGS = {"dtype": "float32", "max_model_len": 4096, "max_num_seqs": 16,
                            "seed": 0, "disable_log_stats": False}
-
-
-def has_gpu() -> bool:
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return False
-    return subprocess.run([smi, "-L"], capture_output=True).returncode == 0
 
 
 def engine_settings(**options) -> dict:

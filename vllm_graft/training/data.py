@@ -63,7 +63,7 @@ def generate_answers(model: str, prompts: list[Prompt], out: Path, *, max_prompt
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_graft.offline.engine import has_gpu
+    from vllm_graft.machine import has_gpu
 
     tokenizer = AutoTokenizer.from_pretrained(model)
     ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
