@@ -547,12 +547,17 @@ class KernelBatch:
         counts = torch.tensor([r.num_rows for r in requests], dtype=torch.int32)
         prefix = torch.tensor([r.prefix_len for r in requests], dtype=torch.int32)
         earlier = torch.tensor([r.cached_tree_rows for r in requests], dtype=torch.int32)
-        width = max(r.block_table.numel() for r in requests)
-        table = torch.zeros((len(requests), width), dtype=torch.int32, device=device)
-        for i, r in enumerate(requests):
-            table[i, :r.block_table.numel()] = r.block_table.to(device)
-        bits = torch.cat([pack_row_bits(r.mask[:, -(r.cached_tree_rows + r.num_rows):]
-                                        .to(device)) for r in requests])
+        widths = {r.block_table.numel() for r in requests}
+        if len(widths) == 1:  # rows of one table: one copy
+            table = torch.stack([r.block_table for r in requests]).to(device, torch.int32)
+        else:
+            table = torch.zeros((len(requests), max(widths)), dtype=torch.int32,
+                                device=device)
+            for i, r in enumerate(requests):
+                table[i, :r.block_table.numel()] = r.block_table.to(device)
+        # packed where the masks are (a verification's on the host), then one copy
+        bits = torch.cat([pack_row_bits(r.mask[:, -(r.cached_tree_rows + r.num_rows):])
+                          for r in requests]).to(device)
         return cls(rows=rows.to(device), block_table=table,
                    query_start_loc=torch.cat([counts.new_zeros(1), counts.cumsum(0)]
                                              ).to(torch.int32).to(device),

@@ -115,21 +115,36 @@ def _prepare_tree_verification(runner, scheduler_output) -> GraftStep:
         return GraftStep(trees=trees, plan=None)
     layout = runner._graft_kv_layout
     block_table = layout.kernel_block_table(layout.block_table(runner))
-    requests = []
-    for t in branching:
-        n = t.tree.tokens.numel()
-        rows = torch.arange(t.query_start, t.query_start + n, device=runner.positions.device)
-        runner.positions[rows] = t.prefix_len + t.tree.depths.to(runner.positions.device)
-        mask = ancestor_mask(t.tree.parents.view(1, -1), torch.ones(1, n, dtype=torch.bool),
-                             int(t.tree.depths.max()))[0]
-        requests.append(TreeRequestPlan(
-            query_start=t.query_start, num_rows=n, prefix_len=t.prefix_len,
-            block_table=block_table[t.batch_row], mask=mask.to(runner.device)))
+    masks = tree_masks([t.tree for t in branching])
+    # the tree rows' positions, written in one copy and one scatter whatever the batch
+    rows = torch.cat([torch.arange(t.query_start, t.query_start + t.tree.tokens.numel())
+                      for t in branching])
+    depths = torch.cat([t.prefix_len + t.tree.depths for t in branching])
+    positions = runner.positions
+    positions[rows.to(positions.device)] = depths.to(positions.device, positions.dtype)
+    requests = [TreeRequestPlan(query_start=t.query_start, num_rows=t.tree.tokens.numel(),
+                                prefix_len=t.prefix_len, block_table=block_table[t.batch_row],
+                                mask=mask)
+                for t, mask in zip(branching, masks)]
     # when tree rows are all the step computes, the backend's own (causal) attention
     # over them would be thrown away: the plan then replaces it
     every_row = sum(r.num_rows for r in requests) == scheduler_output.total_num_scheduled_tokens
     return GraftStep(trees=trees, plan=TreeAttentionPlan(requests=requests,
                                                          replace_all=every_row))
+
+
+def tree_masks(trees) -> list[torch.Tensor]:
+    """Each flattened host tree's ``[N, N]`` ancestor mask (row sees itself and its
+    ancestors), on the host, built for all of them at once: the attention plan copies
+    them to the device packed, in one copy (:meth:`KernelBatch.from_plan`)."""
+    sizes = [tree.tokens.numel() for tree in trees]
+    parents = torch.full((len(trees), max(sizes)), -1, dtype=torch.long)
+    for i, tree in enumerate(trees):
+        parents[i, :sizes[i]] = tree.parents
+    valid = torch.arange(max(sizes)) < torch.tensor(sizes).unsqueeze(1)
+    depth = max(int(tree.depths.max()) for tree in trees)
+    masks = ancestor_mask(parents, valid, depth)
+    return [mask[:n, :n] for mask, n in zip(masks, sizes)]
 
 
 def is_chain(parents: torch.Tensor) -> bool:
