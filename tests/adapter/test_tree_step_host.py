@@ -1,4 +1,5 @@
-"""A step's tree masks are built for all its trees at once, each equal to its own."""
+"""The host sides of a tree step: its trees' masks built at once, each equal to its own;
+its acceptance result read in one copy."""
 
 from __future__ import annotations
 
@@ -35,3 +36,22 @@ def test_each_trees_mask_is_its_own_whatever_the_others():
                 seen.add(node)
                 node = int(tree.parents[node])
             assert set(torch.nonzero(mask[row]).flatten().tolist()) == seen
+
+
+def test_the_acceptance_result_reaches_the_host_in_one_read():
+    """The step's acceptance result is read once (one copy of the three tensors packed),
+    each tensor back with its shape, dtype and values."""
+    from vllm_graft.core.acceptance import AcceptanceResult
+    from vllm_graft.testing.op_counter import OpCounter
+    from vllm_graft.vllm.tree_sampling import to_host
+
+    result = AcceptanceResult(
+        accepted_rows=torch.tensor([[3, 7, -1], [-1, -1, -1]], dtype=torch.int32),
+        output_tokens=torch.tensor([[11, 12, 13, -1], [40, -1, -1, -1]]),
+        num_accepted=torch.tensor([2, 0], dtype=torch.int32))
+    with OpCounter() as counter:
+        host = to_host(result)
+    assert counter.host_waits == 1
+    for name in ("accepted_rows", "output_tokens", "num_accepted"):
+        sent, got = getattr(result, name), getattr(host, name)
+        assert got.dtype == sent.dtype and torch.equal(got, sent), name
