@@ -108,6 +108,12 @@ def methods(budget: int, chain_tokens: int = 5, dflash_block: int = 8) -> dict[s
         "graft": Method("graft", "graft", graft={"variant": "graft", "budget": budget},
                         uses_retrieval=True,
                         note="pruning + matrix retrieval + context copies (the default)"),
+        "graft_reference_ops": Method(
+            "graft_reference_ops", "graft",
+            graft={"variant": "graft", "budget": budget, "ops_backend": "reference"},
+            uses_retrieval=True,
+            note="diagnostic: the graft method on the plain torch path the fused step ops "
+                 "are tested against (what the fused ops save on this machine)"),
         "graft_no_context": Method("graft_no_context", "graft",
                                    graft={"variant": "graft", "budget": budget,
                                           "context": False},
