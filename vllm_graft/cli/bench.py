@@ -26,10 +26,11 @@ from vllm_graft.offline.engine import cpu_runtime_defaults, drafter_graft_keys
 ALL_METHODS = ["plain", "eagle3", "ngram", "ngram_long", "suffix", "dense_tree",
                "prune_only", "retrieval_only", "graft_no_context", "graft", "graft_chain",
                "graft_auto", "graft_auto_shared", "graft_chain_shared", "graft_tree", "tail",
-               "tail_auto", "dflash", "tail_dflash", "graft_plain", "plain_again"]
+               "tail_auto", "dflash", "tail_dflash", "graft_plain", "plain_again",
+               "graft_reference_ops"]
 # run when named only
 DIAGNOSTIC_METHODS = ["ngram_long", "graft_plain", "graft_tree", "plain_again",
-                      "graft_auto_shared", "graft_chain_shared"]
+                      "graft_auto_shared", "graft_chain_shared", "graft_reference_ops"]
 ALL_DATASETS = ["humaneval", "mtbench", "gsm8k", "code-edit", "essays-4k", "code-4k", "code-8k",
                 "code-16k"]
 COMMITTED_HEADS = Path(__file__).resolve().parents[2] / "assets" / "heads"
