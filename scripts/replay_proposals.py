@@ -258,19 +258,22 @@ class SizedChains:
         return cut, choice
 
 
+def replay_chains(chains: SizedChains, rounds: list[tuple[int, int]] | None = None) -> float:
+    """Tokens per step of ``chains``' proposals made at every round."""
+    def propose_round(active: list[int], contexts, prompt_lengths) -> dict[int, list[int]]:
+        cut, _ = chains.build(active, contexts, prompt_lengths)
+        return {i: cut.tokens[t][1:] for t, i in enumerate(active)}
+
+    return replay(chains.requests, None, chains.on_tokens, rounds, propose_round)
+
+
 def replay_graft_sized(requests, tokens: int, sizer,
                        rounds: list[tuple[int, int]] | None = None,
                        matrices: list | None = None, walk: int = 0,
                        peers: bool = False) -> float:
     """Tokens per step of :class:`SizedChains` (its arguments) proposed at every
     round."""
-    chains = SizedChains(requests, tokens, sizer, matrices, walk, peers)
-
-    def propose_round(active: list[int], contexts, prompt_lengths) -> dict[int, list[int]]:
-        cut, _ = chains.build(active, contexts, prompt_lengths)
-        return {i: cut.tokens[t][1:] for t, i in enumerate(active)}
-
-    return replay(requests, None, chains.on_tokens, rounds, propose_round)
+    return replay_chains(SizedChains(requests, tokens, sizer, matrices, walk, peers), rounds)
 
 
 def replay_graft_guarded(chains: SizedChains, guard, scout, cost,
@@ -284,8 +287,6 @@ def replay_graft_guarded(chains: SizedChains, guard, scout, cost,
     The guard measures each round at the milliseconds ``cost`` (a GPU's curves) prices
     its forward at and credits it as the engine does. ``modes`` gets each round's
     mode."""
-    import torch
-
     from vllm_graft.core.budget.scout import fired_step_gained
     from vllm_graft.core.config import StepMode
 
@@ -302,8 +303,8 @@ def replay_graft_guarded(chains: SizedChains, guard, scout, cost,
         """The last round, measured as the engine measures a step."""
         active, mode = step["active"], step["mode"]
         req_ids, row = [str(i) for i in active], [float(emitted[i]) for i in active]
-        batch, query_tokens = rounds[-1]
-        seconds = float(cost.verify_ms(batch, torch.tensor([float(query_tokens)]))[0]) / 1e3
+        batch = rounds[-1][0]
+        seconds = projected_ms(cost, rounds[-1:]) / 1e3
         credited = guard.credited_tokens(row, req_ids)
         guard.advance(req_ids, row)
         if scout is not None and mode is StepMode.CHAIN:
@@ -498,9 +499,7 @@ def main() -> int:
                                matrices, args.chain_walk, peers)
 
         def sized(requests, rounds, peers=False):
-            chains = sized_chains(requests, peers)
-            return replay_graft_sized(requests, chains.tokens, chains.sizer, rounds,
-                                      chains.matrices, chains.walk, peers)
+            return replay_chains(sized_chains(requests, peers), rounds)
 
         def guarded(requests, rounds):
             chains = sized_chains(requests)

@@ -138,9 +138,8 @@ def tree_masks(trees) -> list[torch.Tensor]:
     ancestors), on the host, built for all of them at once: the attention plan copies
     them to the device packed, in one copy (:meth:`KernelBatch.from_plan`)."""
     sizes = [tree.tokens.numel() for tree in trees]
-    parents = torch.full((len(trees), max(sizes)), -1, dtype=torch.long)
-    for i, tree in enumerate(trees):
-        parents[i, :sizes[i]] = tree.parents
+    parents = torch.nn.utils.rnn.pad_sequence([tree.parents.long() for tree in trees],
+                                              batch_first=True, padding_value=-1)
     valid = torch.arange(max(sizes)) < torch.tensor(sizes).unsqueeze(1)
     depth = max(int(tree.depths.max()) for tree in trees)
     masks = ancestor_mask(parents, valid, depth)
