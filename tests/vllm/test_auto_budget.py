@@ -341,11 +341,20 @@ def test_plain_steps_take_vllms_path_without_speculation(tiny_models, plain_outp
         assert builds >= steps // 2, (builds, steps)
 
 
-def test_budget_auto_reads_the_device_clock_a_fixed_few_times_per_step(tiny_models,
-                                                                       tmp_path, monkeypatch):
-    """Budget "auto" times every target forward, but with events read after the step's
-    own clock read: on a GPU, a clock read is a host-device synchronisation, and none
-    may wrap the forward or grow with the batch or the tree."""
+def _step_clock_state(worker) -> dict:
+    runner = worker.model_runner
+    cost = runner.drafter.sizer.cost
+    return {"waiting": len(runner._graft_clock.waiting),
+            "observed_steps": cost.steps.observed}
+
+
+def test_budget_auto_times_its_steps_without_waiting_for_the_device(tiny_models, tmp_path,
+                                                                    monkeypatch):
+    """Budget "auto" times every target forward and every phase of a step, but as marks
+    on the device's stream read once they have passed (vllm_graft.step_clock): on a GPU
+    a synchronizing clock read drains the queue the host keeps ahead, so a step has
+    none. The times still arrive: the counters, and the sizer's step costs learned from
+    the forward's time after the step."""
     from vllm import SamplingParams
 
     from vllm_graft.vllm.timing import CLOCK_READS
@@ -357,14 +366,20 @@ def test_budget_auto_reads_the_device_clock_a_fixed_few_times_per_step(tiny_mode
         llm.generate(PROMPTS[:1], params, use_tqdm=False)  # the start-up profile's reads
         CLOCK_READS.clear()
         before = spec_metrics(llm)
+        learned_before = llm.collective_rpc(_step_clock_state)[0]
         llm.generate(PROMPTS[:4], params, use_tqdm=False)
         after = spec_metrics(llm)
+        state = llm.collective_rpc(_step_clock_state)[0]
     steps = sum(after.get(f"graft_guard_{mode}_steps", 0)
                 - before.get(f"graft_guard_{mode}_steps", 0) for mode in ("tree", "chain", "plain"))
     assert steps >= 40, (before, after)
-    assert "_model_forward" not in CLOCK_READS, CLOCK_READS
-    # proposal: 2, sampling: 2, its first level: 2 (whatever the batch and tree size)
-    assert sum(CLOCK_READS.values()) <= 6 * (steps + 2), (CLOCK_READS, steps)
+    assert not CLOCK_READS, CLOCK_READS
+    assert state["waiting"] == 0, state  # everything a step queued was read by its end
+    assert state["observed_steps"] - learned_before["observed_steps"] >= steps // 2, (
+        learned_before, state, steps)
+    for counter in ("bookkeeping_us", "draft_forward_us"):
+        grew = after.get(f"graft_{counter}", 0) - before.get(f"graft_{counter}", 0)
+        assert grew > 0, (counter, before, after)
 
 
 def keep_plain_fastest(worker, trust_the_scout: bool) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from vllm_graft.core.budget import Choice
 from vllm_graft.core.config import StepMode
 from vllm_graft.core.graft import BuildStats
+from vllm_graft.step_clock import Spans
 
 
 @dataclass
@@ -36,9 +37,9 @@ class StepProposal:
     predicted_credit: what the guard was predicted to credit a chain round's step with
         (:meth:`ChainDrafting.predicted_credit`), for the scout's correction
     shadow_trials: chain nodes the acceptance model learned from shadows this round
-    tree_preparation: seconds of the drafter's catch-up that served only trees to come
-        (a round that was no tree round but fed the drafter), charged to trees when the
-        next round times this one
+    tree_preparation_spans: the drafter's catch-up that served only trees to come (a
+        round that was no tree round but fed the drafter), charged to trees when the
+        next round times this one (:attr:`tree_preparation`)
     """
 
     mode: StepMode = StepMode.TREE
@@ -51,10 +52,18 @@ class StepProposal:
     choice: Choice | None = None
     predicted_credit: float | None = None
     shadow_trials: int = 0
-    tree_preparation: float = 0.0
+    tree_preparation_spans: Spans | None = None
     #: the chains the scout built to decide (settled rows, drafting batch rows, chains,
     #: choice, predicted credit): a chain step it fires verifies these, built once
     scouted: tuple | None = None
+
+    @property
+    def tree_preparation(self) -> float:
+        """Seconds of :attr:`tree_preparation_spans`. Read by the next round, after the
+        step between has read its result from the device, so the catch-up has passed and
+        nothing waits (it would wait only for the catch-up itself)."""
+        spans = self.tree_preparation_spans
+        return 0.0 if spans is None else spans.seconds(wait=True)
 
 
 def last_proposal(runner) -> StepProposal:

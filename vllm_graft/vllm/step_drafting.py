@@ -11,10 +11,10 @@ import torch
 
 from vllm_graft.core.budget.scout import fired_step_gained
 from vllm_graft.core.config import StepMode
+from vllm_graft.step_clock import StepClock
 from vllm_graft.vllm.draft_records import SettledRows
 from vllm_graft.vllm.proposal import StepProposal, last_proposal
 from vllm_graft.vllm.proposer import GraftProposer
-from vllm_graft.vllm.timing import device_clock
 from vllm_graft.vllm.tp_agreement import agree
 from vllm_graft.vllm.tree_verification import GraftStats, GraftStep
 
@@ -102,9 +102,11 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
     stats: GraftStats = runner._graft_stats
     step: GraftStep | None = runner._graft_step
     runner._graft_step = None
-    start = device_clock(runner.device)
-    proposer.forward_timer.take_seconds()  # spans of earlier steps (e.g. dummy runs)
-    proposer.catch_up_timer.take_seconds()
+    clock: StepClock = runner._graft_clock
+    clock.settle()
+    start = clock.mark()
+    proposer.forward_timer.take()  # spans of earlier steps (e.g. dummy runs)
+    proposer.catch_up_timer.take()
     settled: list[SettledRows] | None = None
 
     def read_settled() -> list[SettledRows]:
@@ -154,16 +156,16 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
     stats.counts["chain_shadow_trials"] += proposal.shadow_trials
     if proposer.guard is not None:
         stats.counts[f"guard_{proposal.ran.value}_steps"] += 1
-    end = device_clock(runner.device)
-    forward_seconds = proposer.forward_timer.take_seconds()
-    stats.add_seconds("draft_forward", forward_seconds)
-    stats.add_seconds("bookkeeping", end - start - forward_seconds)
-    catch_up = proposer.catch_up_timer.take_seconds()
+    forward = proposer.forward_timer.take()
+    clock.phase(lambda seconds: stats.add_seconds("bookkeeping", seconds), start, (forward,))
+    clock.later(lambda: stats.add_seconds("draft_forward", forward.seconds()), forward)
+    catch_up = proposer.catch_up_timer.take()
     # a catch-up that followed no request did no work for trees (its span is the call)
-    proposal.tree_preparation = catch_up if (
-        following and proposal.ran is not StepMode.TREE) else 0.0
-    if proposer.guard is not None and proposal.tree_preparation:
-        stats.add_seconds("tree_preparation", proposal.tree_preparation)
+    if following and proposal.ran is not StepMode.TREE and catch_up.pairs:
+        proposal.tree_preparation_spans = catch_up
+        if proposer.guard is not None:
+            clock.later(lambda: stats.add_seconds("tree_preparation", catch_up.seconds()),
+                        catch_up)
     _count_proposal(stats, proposal, proposer.settings.config.checkpoints)
     return proposal.drafts
 
@@ -188,14 +190,15 @@ def propose_with_blocks(runner, sampled_token_ids, propose_blocks) -> list[list[
     chains (:meth:`GraftDFlashProposer.graft_blocks`)."""
     runner._graft_step = None
     stats: GraftStats = runner._graft_stats
-    start = device_clock(runner.device)
+    clock: StepClock = runner._graft_clock
+    clock.settle()
+    start = clock.mark()
     blocks = propose_blocks()
-    drafted = device_clock(runner.device)
+    drafted = clock.phase(lambda seconds: stats.add_seconds("draft_forward", seconds), start)
     drafts, build = runner.drafter.graft_blocks(runner, blocks, sampled_token_ids)
     runner._graft_proposal = StepProposal(ran=StepMode.CHAIN if build is not None
                                           else StepMode.PLAIN, drafts=drafts, build=build)
-    stats.add_seconds("draft_forward", drafted - start)
-    stats.add_seconds("bookkeeping", device_clock(runner.device) - drafted)
+    clock.phase(lambda seconds: stats.add_seconds("bookkeeping", seconds), drafted)
     _count_proposal(stats, runner._graft_proposal, runner.drafter.settings.config.checkpoints)
     return drafts
 
@@ -215,9 +218,14 @@ def _observe_step(runner, scheduler_output, settled: list[SettledRows] | None,
     measured or not."""
     proposer: GraftProposer = runner.drafter
     measured = last_proposal(runner)  # the proposal the step now ending verified
-    forward_ms = None if step is None else step.take_forward_ms()
-    if forward_ms is not None:  # the profile follows what a forward really costs
-        proposer.sizer.cost.observe(1, step.num_tokens, forward_ms)
+    forward = None if step is None else step.take_forward()
+    observed_step: list = []  # (mode, batch, nodes, ms) once the step is timed
+    if forward is not None:
+        # the profile follows what a forward really costs, read once the device has
+        # passed the forward (the step's own read of its result makes sure of that)
+        runner._graft_clock.later(lambda: _learn_forward_cost(
+            proposer.sizer.cost, step.num_tokens, forward.seconds() * 1e3, observed_step),
+            forward)
     preparation = measured.tree_preparation
     if proposer.guard is None and proposer.sizer is None:
         return
@@ -253,10 +261,19 @@ def _observe_step(runner, scheduler_output, settled: list[SettledRows] | None,
                 proposer.scout.fired_step(gained=fired_step_gained(
                     guard, measured.scout_replaced, batch, credited, counted))
         guard.observe(mode, batch, credited, seconds)
-    if forward_ms is not None:
+    if forward is not None:
         nodes = max(scheduler_output.total_num_scheduled_tokens - batch, 0)
-        cost = proposer.sizer.cost
-        cost.observe_step(mode, batch, nodes, seconds * 1e3, forward_ms)
+        observed_step.append((mode, batch, nodes, seconds * 1e3))
+
+
+def _learn_forward_cost(cost, num_tokens: int, forward_ms: float, observed_step: list
+                        ) -> None:
+    """A step's forward time in the sizer's cost profile and, when the step was timed
+    (``observed_step``: its mode, batch, verified nodes and ms), the step's cost besides
+    the forward."""
+    cost.observe(1, num_tokens, forward_ms)
+    for mode, batch, nodes, step_ms in observed_step:
+        cost.observe_step(mode, batch, nodes, step_ms, forward_ms)
         if cost.steps.observed % LOG_STEP_COSTS_EVERY == 0 and cost.steps.observed:
             logger.info("Graft: step costs besides the forward, learned over %d steps: %s",
                         cost.steps.observed, cost.steps.describe())

@@ -17,6 +17,7 @@ from vllm_graft.core.graft import GraftTreeBuilder
 from vllm_graft.core.isolation import IsolationMode, MatrixPartitions, default_max_matrices
 from vllm_graft.core.shared_outputs import PeerOutputs, RecentOutputsIndex
 from vllm_graft.core.successor import SuccessorMatrix
+from vllm_graft.step_clock import SpanTimer
 from vllm_graft.vllm import draft_graphs
 from vllm_graft.vllm.chain_drafting import ChainDrafting
 from vllm_graft.vllm.config import GraftSettings, TokenizerRef
@@ -27,7 +28,6 @@ from vllm_graft.vllm.heap import HeapTrimmer
 from vllm_graft.vllm.proposal import StepProposal
 from vllm_graft.vllm.successor_state import (SuccessorStateKeeper, is_state_writer,
                                              load_successor_state, matrix_metadata)
-from vllm_graft.vllm.timing import SpanTimer
 from vllm_graft.vllm.tp_agreement import agree
 
 logger = logging.getLogger(__name__)

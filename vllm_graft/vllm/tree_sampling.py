@@ -26,10 +26,10 @@ from vllm_graft.core.budget import UNKNOWN_SCORE
 from vllm_graft.core.config import StepMode
 from vllm_graft.core.graft import count_accepted_sources
 from vllm_graft.core.hybrid import HybridTree
+from vllm_graft.step_clock import Spans, StepClock
 from vllm_graft.vllm import matrix_learning
 from vllm_graft.vllm.proposal import last_proposal
 from vllm_graft.vllm.sampling import argmax_is_the_sample, filters_are_plain_sampling
-from vllm_graft.vllm.timing import device_clock
 from vllm_graft.vllm.tree_verification import (TREE_OBSERVERS, GraftStats, GraftStep,
                                                VerifiedTree, move_accepted_kv)
 
@@ -142,14 +142,14 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
         # patches.takes_plain_path)
         return runner.sampler(logits=logits, sampling_metadata=sampling_metadata)
     stats: GraftStats = runner._graft_stats
-    device = logits.device
-    start = device_clock(device)
+    clock: StepClock = runner._graft_clock
+    start = clock.mark()
     greedy = argmax_is_the_sample(sampling_metadata)
     if greedy and (step is None or step.plan is None) \
             and _walks_as_chains(trees, num_draft_tokens):
         walk = _walk_chains_on_host(runner, logits, num_draft_tokens, trees)
     else:
-        num_sampled = torch.as_tensor(num_draft_tokens, device=device) + 1
+        num_sampled = torch.as_tensor(num_draft_tokens, device=logits.device) + 1
         starts = torch.cumsum(num_sampled, 0) - num_sampled  # first logits row per request
         if not trees and proposal.mode is StepMode.PLAIN:
             # drafts that are not ours (e.g. padding after a resume): one sampler call on
@@ -163,8 +163,9 @@ def sample_with_trees(runner, logits: torch.Tensor, spec_decode_metadata) -> Sam
         matrix_learning.learn(runner, logits, spec_decode_metadata, trees, walk.row_topk)
     if step is not None and step.plan is not None:
         stats.add_seconds("tree_attention", step.plan.seconds)
-    stats.add_seconds("bookkeeping", device_clock(device) - start - walk.level_zero_seconds)
-    return SamplerOutput(sampled_token_ids=walk.result.output_tokens.to(device=device,
+    clock.phase(lambda seconds: stats.add_seconds("bookkeeping", seconds), start,
+                (walk.level_zero,))
+    return SamplerOutput(sampled_token_ids=walk.result.output_tokens.to(device=logits.device,
                                                                         dtype=torch.int32),
                          logprobs_tensors=walk.logprobs)
 
@@ -177,7 +178,7 @@ class _Walk:
     #: the target's top-k where the walk read it: [B, rows, k] at each request's tree
     #: rows, or [logits rows, k] at every logits row (None: not read)
     row_topk: torch.Tensor | None
-    level_zero_seconds: float  # the share plain decoding spends too: not Graft's overhead
+    level_zero: Spans  # the share plain decoding spends too: not Graft's overhead
     logprobs: object = None  # vLLM's LogprobsTensors in its spec layout, or None
     learned: bool = False  # whether the walk taught the matrix already
     #: the step's trees as one host batch (None: walked as host lists, all chains)
@@ -206,13 +207,13 @@ def _walk_chains_on_host(runner, logits: torch.Tensor, num_draft_tokens: list[in
     accepted up to its first token that is not the argmax of the row before it. The walk
     runs over Python lists: a chain step's few dozen numbers cost more as tensor
     operations, each a dispatch on caches the forward has just flushed."""
-    device = logits.device
-    pass_start = device_clock(device)
+    clock: StepClock = runner._graft_clock
+    pass_start = clock.mark()
     row_topk = runner.drafter.matrix.target_topk(logits)  # every logits row is a verified row
-    best = row_topk[:, 0].tolist()
     # plain decoding reads each request's one row too: that share is not Graft's
-    level_zero_seconds = (device_clock(device) - pass_start) * len(num_draft_tokens) \
-        / max(len(best), 1)
+    level_zero = Spans([(pass_start, clock.mark())],
+                       scale=len(num_draft_tokens) / max(row_topk.shape[0], 1))
+    best = row_topk[:, 0].tolist()
     chains = {t.batch_row: t for t in trees}
     drafts = [chains[row].tree.draft_tokens if row in chains else []
               for row in range(len(num_draft_tokens))]
@@ -228,7 +229,7 @@ def _walk_chains_on_host(runner, logits: torch.Tensor, num_draft_tokens: list[in
     result = AcceptanceResult(accepted_rows=torch.tensor(accepted_rows, dtype=torch.long),
                               output_tokens=torch.tensor(outputs, dtype=torch.long),
                               num_accepted=torch.tensor(accepted))
-    return _Walk(result, row_topk, level_zero_seconds)
+    return _Walk(result, row_topk, level_zero)
 
 
 def _walk_trees(runner, logits: torch.Tensor, spec_decode_metadata, starts: torch.Tensor,
@@ -244,17 +245,18 @@ def _walk_trees(runner, logits: torch.Tensor, spec_decode_metadata, starts: torc
     tree = host_tree.to(device)
     fused = runner.drafter.tree_builder.fused is not None  # the compiled ops
     if not greedy and not (fused and filters_are_plain_sampling(sampling_metadata)):
-        result, level_zero_seconds, logprobs = _walk_with_sampler(
+        result, level_zero, logprobs = _walk_with_sampler(
             runner, tree, logits, starts, sampling_metadata)
-        return _Walk(result, None, level_zero_seconds, logprobs, host_tree=host_tree)
+        return _Walk(result, None, level_zero, logprobs, host_tree=host_tree)
     rows = starts.unsqueeze(1) + torch.arange(tree.tokens.shape[1], device=device)
     rows = torch.where(tree.valid, rows, -1)
-    pass_start = device_clock(device)
+    clock: StepClock = runner._graft_clock
+    pass_start = clock.mark()
     row_topk = runner.drafter.matrix.target_topk(logits, rows.reshape(-1)).view(
         batch, tree.tokens.shape[1], -1)
     # plain decoding reads each request's one row too: that share is not Graft's
-    level_zero_seconds = (device_clock(device) - pass_start) * batch \
-        / max(int(host_tree.valid.sum()), 1)
+    level_zero = Spans([(pass_start, clock.mark())],
+                       scale=batch / max(int(host_tree.valid.sum()), 1))
     if fused:
         result = _accept_and_learn(runner, tree, host_tree, row_topk, spec_decode_metadata,
                                    starts, trees,
@@ -265,7 +267,7 @@ def _walk_trees(runner, logits: torch.Tensor, spec_decode_metadata, starts: torc
         result = walk(tree, row_topk[..., 0])
     runner._graft_stats.counts[
         "one_pass_verifications" if greedy else "fused_sampled_verifications"] += 1
-    return _Walk(result, row_topk, level_zero_seconds, learned=fused, host_tree=host_tree)
+    return _Walk(result, row_topk, level_zero, learned=fused, host_tree=host_tree)
 
 
 def _record_verification(runner, step: GraftStep, walk: _Walk, proposal) -> None:
@@ -301,17 +303,17 @@ def _record_verification(runner, step: GraftStep, walk: _Walk, proposal) -> None
 def _walk_with_sampler(runner, tree: HybridTree, logits: torch.Tensor, starts: torch.Tensor,
                        sampling_metadata):
     """The tree walk with vLLM's sampler emitting the token at each level's nodes:
-    ``(result, seconds of level 0, logprobs in vLLM's spec layout or None)``. Level 0
+    ``(result, the span of level 0, logprobs in vLLM's spec layout or None)``. Level 0
     is what plain decoding samples too, so its time is not Graft's overhead."""
     device = logits.device
     batch = starts.numel()
     level_logprobs = []
-    level_zero_seconds = 0.0
+    level_zero = Spans()
     all_rows = torch.arange(batch, device=device)
+    clock: StepClock = runner._graft_clock
 
     def sample_level(level: int, rows: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
-        nonlocal level_zero_seconds
-        level_start = device_clock(device) if level == 0 else 0.0
+        level_start = clock.mark() if level == 0 else None
         node = torch.zeros(batch, dtype=torch.long, device=device)
         node[rows] = current
         walking = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -322,14 +324,14 @@ def _walk_with_sampler(runner, tree: HybridTree, logits: torch.Tensor, starts: t
                                  sampling_metadata=sampling_metadata)
         level_logprobs.append(out.logprobs_tensors)
         if level == 0:  # plain decoding samples this row too: not Graft's overhead
-            level_zero_seconds += device_clock(device) - level_start
+            level_zero.pairs.append((level_start, clock.mark()))
         return out.sampled_token_ids.view(-1)[rows].long()
 
     result = walk_tree(tree, sample_level)
     logprobs = None
     if level_logprobs[0] is not None:
         logprobs = _stack_levels(level_logprobs, result.output_tokens.shape[1])
-    return result, level_zero_seconds, logprobs
+    return result, level_zero, logprobs
 
 
 def _stack_levels(levels: list, width: int):

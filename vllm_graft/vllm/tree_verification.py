@@ -19,9 +19,9 @@ import torch
 
 from vllm_graft.core.acceptance import AcceptanceResult
 from vllm_graft.core.hybrid import ancestor_mask
+from vllm_graft.step_clock import Spans, SpanTimer, StepClock
 from vllm_graft.vllm.draft_records import PendingTree
 from vllm_graft.vllm.proposer import GraftProposer
-from vllm_graft.vllm.timing import SpanTimer, device_clock
 from vllm_graft.vllm.tree_attention import (TreeAttentionPlan, TreeRequestPlan, kv_reader,
                                             read_slots)
 
@@ -54,11 +54,10 @@ class GraftStep:
     #: a Graft hook of this step failed: the step decodes plainly (vllm_graft.vllm.faults)
     failed: bool = False
 
-    def take_forward_ms(self) -> float | None:
-        """The forward's time in ms, once (None: not timed); call it after a
-        :func:`device_clock`, so the device has finished the forward."""
+    def take_forward(self) -> Spans | None:
+        """The forward's span, once (None: not timed), to read once it has passed."""
         timer, self.forward_timer = self.forward_timer, None
-        return None if timer is None else timer.take_seconds() * 1e3
+        return None if timer is None else timer.take()
 
 
 @dataclass
@@ -80,13 +79,15 @@ class GraftStats:
 
 def prepare_tree_verification(runner, scheduler_output) -> GraftStep:
     if not scheduler_output.scheduled_spec_decode_tokens:
-        # no drafts: nothing to verify, so nothing to time (the device clock syncs a GPU)
+        # no drafts: nothing to verify, so nothing to time
         return _prepare_tree_verification(runner, scheduler_output)
-    start = device_clock(runner.device)
+    clock: StepClock = runner._graft_clock
+    start = clock.mark()
     try:
         return _prepare_tree_verification(runner, scheduler_output)
     finally:
-        runner._graft_stats.add_seconds("bookkeeping", device_clock(runner.device) - start)
+        clock.phase(lambda seconds: runner._graft_stats.add_seconds("bookkeeping", seconds),
+                    start)
 
 
 def _prepare_tree_verification(runner, scheduler_output) -> GraftStep:

@@ -18,6 +18,7 @@ import torch
 import vllm.v1.worker.gpu_model_runner as runner_module
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+from vllm_graft.step_clock import StepClock
 from vllm_graft.vllm import runner as graft_runner
 from vllm_graft.vllm.config import ADDITIONAL_CONFIG_KEY, cuda_graphs_enabled
 from vllm_graft.vllm.faults import FaultContainment
@@ -52,6 +53,7 @@ def init_runner(self, vllm_config, device, *args, **kwargs):
     drafter, its counters and its fault containment."""
     call_original(GPUModelRunner, "__init__")(self, vllm_config, device, *args, **kwargs)
     self._graft_stats = None
+    self._graft_clock = None
     self._graft_step = None
     self._graft_graph_check = None
     self._graft_proposal = None  # the last drafting round's (vllm_graft.vllm.proposal)
@@ -68,6 +70,7 @@ def init_runner(self, vllm_config, device, *args, **kwargs):
         vllm_config.speculative_config.method, GraftProposer)
     self.drafter = proposer(self.vllm_config, self.device, self)
     self._graft_stats = graft_runner.GraftStats()
+    self._graft_clock = StepClock(self.device)
     self._graft_faults = FaultContainment(
         self.drafter.settings.config.max_consecutive_errors)
     if cuda_graphs_enabled(vllm_config):

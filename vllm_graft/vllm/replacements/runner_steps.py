@@ -17,13 +17,13 @@ import vllm.v1.worker.gpu_model_runner as runner_module
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_graft.core.config import StepMode
+from vllm_graft.step_clock import SpanTimer
 from vllm_graft.vllm import runner as graft_runner
 from vllm_graft.vllm.metrics import request_table_values
 from vllm_graft.vllm.patching import call_original
 from vllm_graft.vllm.proposal import last_proposal
 from vllm_graft.vllm.proposer import GraftDFlashProposer
 from vllm_graft.vllm.replacements.runner_lifecycle import graft_on
-from vllm_graft.vllm.timing import SpanTimer
 from vllm_graft.vllm.tree_attention import active_plan
 
 
@@ -60,6 +60,7 @@ def with_step_stats(self, output):
     and the gauges (vllm_graft.vllm.metrics)."""
     if output is runner_module.EMPTY_MODEL_RUNNER_OUTPUT:
         output = copy.copy(output)
+    self._graft_clock.settle()  # the step's times its device work has passed
     output.graft_stats = {**self._graft_stats.take(), **request_table_values(
         self.drafter.request_state_counts())}
     return output
@@ -108,8 +109,7 @@ def model_forward(self, *args, **kwargs):
     sizer = self.drafter.sizer if step is not None else None
     if step is None or (step.plan is None and sizer is None):
         return call_original(GPUModelRunner, "_model_forward")(self, *args, **kwargs)
-    # with budget "auto", timed without waiting for the device: read after the
-    # proposal's device clock
+    # with budget "auto", timed without waiting for the device: read once it has passed
     step.forward_timer = None if sizer is None else SpanTimer(self.device)
     timed = contextlib.nullcontext() if sizer is None else step.forward_timer.span()
     forward = call_original(GPUModelRunner, "_model_forward")
