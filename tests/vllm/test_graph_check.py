@@ -98,6 +98,46 @@ def test_a_replayed_forward_that_differs_turns_graphs_off_and_decodes_as_plain(t
     assert left == 0 and forwards == 2  # one checked step, then no more checks
 
 
+def _capture_in_a_failing_state(worker):
+    """The runner's ``capture_model`` called as the worker calls it at start-up, with
+    vLLM's capturing flag set as a capture that raised midway leaves it."""
+    from vllm.compilation import monitor
+
+    monitor.set_cudagraph_capturing_enabled(True)
+    runner = worker.model_runner
+    graph_bytes = runner.capture_model()
+    check = runner._graft_graph_check
+    return (graph_bytes, None if check is None else check.verdict,
+            runner.cudagraph_dispatcher.cudagraph_mode.name,
+            monitor.cudagraph_capturing_enabled)
+
+
+def test_a_failed_capture_leaves_the_engine_eager_and_says_why(tiny_models, plain,
+                                                               monkeypatch, caplog):
+    """Patch 11e: CUDA graph capture that raises at start-up (injected here: the CPU
+    worker captures nothing) turns graphs off with one log line naming the error, and
+    the engine decodes as plain decoding does."""
+    from vllm import SamplingParams
+
+    from vllm_graft.vllm.faults import INJECT_ENV
+
+    monkeypatch.setenv(INJECT_ENV, "rate=1.0,hooks=capture,seed=0")
+    with running_llm(tiny_models.target, graft_spec(tiny_models.head, budget=60),
+                     max_num_seqs=4) as llm:
+        graph_bytes, verdict, mode, capturing = llm.collective_rpc(
+            _capture_in_a_failing_state)[0]
+        outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0),
+                               use_tqdm=False)
+    assert graph_bytes == 0 and mode == "NONE" and capturing is False
+    assert verdict == ("off: CUDA graph capture failed at start-up: InjectedFault: "
+                       "injected fault in Graft's capture hook"), verdict
+    # one log call (pytest's capture may hold the same record twice)
+    lines = {(r.created, r.getMessage()) for r in caplog.records
+             if "CUDA graphs turned off" in r.getMessage()}
+    assert len(lines) == 1 and "capture failed at start-up" in lines.pop()[1], lines
+    assert [o.outputs[0].token_ids for o in outputs] == plain
+
+
 def test_difference_names_the_output_and_ignores_matching_nans():
     a = torch.tensor([[1.0, float("nan")], [2.0, 3.0], [9.0, 9.0]])
     b = torch.tensor([[1.0, float("nan")], [2.0, 3.5], [0.0, 0.0]])

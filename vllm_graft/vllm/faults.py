@@ -14,6 +14,9 @@ decoding's output:
   it, and the roots are sampled as above;
 * drafting: no request gets drafts this step (the next one decodes plainly).
 
+Outside the steps, a failed CUDA graph capture at start-up (hook ``capture``) leaves the
+engine eager (:func:`vllm_graft.vllm.graph_check.run_eagerly_after_failed_capture`).
+
 The first failure of each hook is logged with its traceback; every one counts in
 ``vllm:graft_errors_total``. After ``graft.max_consecutive_errors`` steps in a row with
 a failure, Graft turns itself off for the engine with one error line, and every step
@@ -33,7 +36,7 @@ import random
 
 logger = logging.getLogger(__name__)
 
-HOOKS = ("prepare", "forward", "sample", "propose", "forget", "after")
+HOOKS = ("prepare", "forward", "sample", "propose", "forget", "after", "capture")
 INJECT_ENV = "VLLM_GRAFT_INJECT_FAULTS"
 
 

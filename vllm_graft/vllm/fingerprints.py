@@ -308,6 +308,14 @@ FINGERPRINTS: tuple[Fingerprint, ...] = (
         params=('self', 'hidden_states'),
     ),
     Fingerprint(
+        'vllm.v1.worker.gpu_model_runner', 'GPUModelRunner.capture_model',
+        patched_by='graft.runner',
+        why=('wrapped: a failed capture leaves the engine eager; the wrapper resets the '
+             'capturing flag the body sets and clears only after a whole capture'),
+        params=('self',),
+        source_sha256='55ab8f6c8b926ff7581b7ee8b5e6fa9882d3125a1a896b7c019f8321966fd21e',
+    ),
+    Fingerprint(
         'vllm.v1.worker.gpu_model_runner', 'GPUModelRunner.shutdown',
         patched_by='graft.runner',
         why='wrapped: the successor state is saved before the runner releases its memory',

@@ -6,6 +6,10 @@ eagerly between them, and with it Graft's tree attention (the plan of the step i
 when the layer runs, so no graph ever holds a stale one). Full graphs would capture the
 attention itself and are never used.
 
+If vLLM's start-up capture of those graphs fails, :func:`run_eagerly_after_failed_capture`
+keeps the engine up without them, with one log line saying why (patch 11e); only a
+device left unusable by the failure stops the start-up, naming it.
+
 No GPU in the project's test machines has vLLM, so that combination is checked where it
 runs: the target forward of each of the first :data:`CHECKED_STEPS` tree steps that
 replay graphs runs a second time eagerly (the KV writes are the same values to the same
@@ -122,3 +126,29 @@ class ReplayCheck:
             dispatcher.cudagraph_mode = CUDAGraphMode.NONE
         logger.error("Graft: CUDA graphs turned off, the engine runs eagerly from now on: %s",
                      reason)
+
+
+def run_eagerly_after_failed_capture(runner, error: BaseException) -> None:
+    """After vLLM's ``capture_model`` raised ``error`` in a Graft engine: the engine runs
+    eagerly from now on (the graphs' dispatcher set to none, as :meth:`ReplayCheck.
+    turn_off` does, with its one log line), unless the device is still capturing or was
+    left unusable, which no eager forward could run on: then the start-up fails with
+    that said, ``error`` as its cause. Graphs captured before the failure keep their
+    memory until the engine stops."""
+    from vllm.compilation.monitor import set_cudagraph_capturing_enabled
+
+    set_cudagraph_capturing_enabled(False)  # vLLM resets it only after a whole capture
+    if runner.device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("Graft: CUDA graph capture failed and left the stream "
+                               "capturing, so the engine cannot run eagerly either") from error
+        try:
+            torch.cuda.synchronize(runner.device)
+            torch.cuda.empty_cache()
+        except Exception as lost:
+            raise RuntimeError(f"Graft: CUDA graph capture failed and left the device "
+                               f"unusable ({type(lost).__name__}: {lost})") from error
+    check = runner._graft_graph_check or ReplayCheck(steps=0)
+    runner._graft_graph_check = check
+    check.turn_off(runner, f"CUDA graph capture failed at start-up: "
+                           f"{type(error).__name__}: {error}")

@@ -28,6 +28,7 @@ through the general-plugin entry point.
 | 11b | ``GPUModelRunner.shutdown`` | save the successor state (``graft.successor_state``) |
 | 11c | ``v1.engine.core.EngineCoreProc._handle_shutdown`` | save the successor state when a shutdown is requested, before draining |
 | 11d | ``GPUModelRunner._dummy_sampler_run`` | the start-up memory profile includes a full step of trees (logits of every tree row, their top-k, the fused step's buffers) |
+| 11e | ``GPUModelRunner.capture_model`` | a failed CUDA graph capture leaves the engine eager, with one log line saying why |
 | 12 | ``v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward`` (on GPUs: the ``forward`` of the attention implementation in use, patched when the KV cache is created) | tree mask |
 | 13 | ``v1.core.sched.scheduler.Scheduler.update_from_output`` / ``make_stats`` | sum counters |
 | 14 | ``v1.engine.EngineCoreOutputs.__annotations__`` (``scheduler_stats``) | carry counters |
@@ -35,7 +36,7 @@ through the general-plugin entry point.
 
 The replacements live in :mod:`vllm_graft.vllm.replacements`, one module per vLLM area:
 ``engine_config`` (1-2c), ``tenants`` (2d, 2e), ``runner_lifecycle`` (3, 3b, 4, 11b,
-11d), ``runner_steps`` (5-11), ``engine_shutdown`` (11c), ``attention`` (12) and
+11d, 11e), ``runner_steps`` (5-11), ``engine_shutdown`` (11c), ``attention`` (12) and
 ``counters`` (13-15). :func:`all_patches` below is the one list of what is patched, in
 the order it is applied.
 
@@ -117,6 +118,7 @@ def all_patches() -> list[Patch]:
             "sample_tokens": runner_steps.sample_tokens,
             "execute_model": runner_steps.execute_model,
             "_dummy_sampler_run": runner_lifecycle.dummy_sampler_run,
+            "capture_model": runner_lifecycle.capture_model,
             "shutdown": runner_lifecycle.shutdown_runner}),
         _replace("graft.logitsprocs", runner_module,
                  {"build_logitsprocs": runner_lifecycle.build_logitsprocs}),

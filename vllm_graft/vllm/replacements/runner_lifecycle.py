@@ -1,11 +1,12 @@
-"""Patches 3, 3b, 4, 11b and 11d: a Graft model runner from its construction to its
-shutdown.
+"""Patches 3, 3b, 4, 11b, 11d and 11e: a Graft model runner from its construction to
+its shutdown.
 
 3 gives vLLM's V1 model runner Graft's proposer (or its draft-model / DFlash form) as
 drafter and refuses parallelism Graft does not support; 3b turns vLLM's built-in logits
 processors on; 4 checks at KV cache creation that tree attention can serve every layer
 (and patches the GPU attention implementation in use); 11d makes the start-up memory
-profile include a full step of trees; 11b saves the successor state at shutdown.
+profile include a full step of trees; 11e keeps the engine up, eager, when its CUDA
+graph capture fails; 11b saves the successor state at shutdown.
 
 A runner is a Graft runner when it has ``_graft_stats`` (:func:`graft_on`); every hook
 is inert on others."""
@@ -22,7 +23,7 @@ from vllm_graft.step_clock import StepClock
 from vllm_graft.vllm import runner as graft_runner
 from vllm_graft.vllm.config import ADDITIONAL_CONFIG_KEY, cuda_graphs_enabled
 from vllm_graft.vllm.faults import FaultContainment
-from vllm_graft.vllm.graph_check import ReplayCheck
+from vllm_graft.vllm.graph_check import ReplayCheck, run_eagerly_after_failed_capture
 from vllm_graft.vllm.kv_blocks import PagedKVLayout
 from vllm_graft.vllm.patching import call_original
 from vllm_graft.vllm.proposer import (GraftDFlashProposer, GraftDraftModelProposer,
@@ -135,6 +136,21 @@ def dummy_sampler_run(self, hidden_states, *args, **kwargs):
     if graft_on(self):
         graft_runner.profile_tree_step(self, hidden_states)
     return out
+
+
+def capture_model(self, *args, **kwargs) -> int:
+    """11e: ``GPUModelRunner.capture_model``; if capturing the target's CUDA graphs fails
+    in a Graft engine, it runs eagerly and says why in one log line
+    (:func:`vllm_graft.vllm.graph_check.run_eagerly_after_failed_capture`)."""
+    original = call_original(GPUModelRunner, "capture_model")
+    if not graft_on(self):
+        return original(self, *args, **kwargs)
+    try:
+        self._graft_faults.inject("capture")
+        return original(self, *args, **kwargs)
+    except Exception as error:
+        run_eagerly_after_failed_capture(self, error)
+        return 0  # no graph memory for the KV cache to leave room for
 
 
 def shutdown_runner(self, *args, **kwargs):
