@@ -55,3 +55,34 @@ def test_the_acceptance_result_reaches_the_host_in_one_read():
     for name in ("accepted_rows", "output_tokens", "num_accepted"):
         sent, got = getattr(result, name), getattr(host, name)
         assert got.dtype == sent.dtype and torch.equal(got, sent), name
+
+
+def test_many_tensors_of_any_dtype_reach_the_host_in_one_read():
+    """A tree and its build's facts travel in one copy: every dtype the step carries
+    (floating ones by their bits, NaN and -0.0 included) comes back exactly, with its
+    shape; None stays None."""
+    from vllm_graft.core.transfer import to_host_at_once
+    from vllm_graft.testing.op_counter import OpCounter
+
+    sent = [torch.tensor([[1, -2], [3, 4]]), torch.tensor([True, False, True]),
+            torch.tensor([7, 255], dtype=torch.uint8), None,
+            torch.tensor([[0.1, float("nan")], [-0.0, 1e30]]),
+            torch.tensor([1.5, -2.25], dtype=torch.bfloat16),
+            torch.tensor([3.0, float("-inf")], dtype=torch.float16),
+            torch.tensor([2 ** 40 + 1, -5], dtype=torch.int64),
+            torch.tensor([-(2 ** 31), 2 ** 31 - 1], dtype=torch.int32),
+            torch.zeros((0, 3), dtype=torch.int64), torch.tensor(9, dtype=torch.int16),
+            torch.arange(12).view(3, 4)[:, 1:3],  # slices of a wider buffer
+            torch.arange(12).view(3, 4)[:, 1:2], torch.arange(12).view(3, 4)[:, 2],
+            torch.arange(12).view(3, 4)[:1, 2], torch.arange(12).view(3, 4)[:1, 2:3]]
+    with OpCounter() as counter:
+        got = to_host_at_once(sent)
+    assert counter.host_waits == 1
+    assert got[3] is None
+    for a, b in zip(sent, got):
+        if a is None:
+            continue
+        assert b.dtype == a.dtype and b.shape == a.shape
+        torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True)
+        if a.is_floating_point():
+            assert torch.equal(torch.signbit(b), torch.signbit(a))

@@ -401,7 +401,8 @@ class GraftConfig(BaseModel):
     cuda_graphs: bool = Field(
         True, description="on GPUs, run the target under vLLM's piecewise CUDA graphs "
         "(tree attention runs eagerly between the captured pieces; the first tree steps "
-        "are checked against eager forwards, and any difference turns the graphs off) "
+        "are checked against eager forwards, and any difference, or a capture that fails "
+        "at start-up, turns the graphs off with one log line) "
         "and the drafter's draft loop as one CUDA graph per batch size (its first replays "
         "checked the same way); false: eager mode")
     max_consecutive_errors: int = Field(

@@ -42,7 +42,11 @@ def settled_rows(runner, scheduler_output, sampled: torch.Tensor, step: GraftSte
     # read once as Python lists: per-row tensor and numpy element reads cost more than
     # the rest of this loop at batch 32, and it runs every step
     num_rows = len(batch.req_ids)
-    first_sampled = sampled[:, 0].tolist() if sampled.numel() else []
+    # the first token sampled for every row: from the step's host acceptance result
+    # where a tree was verified (its rows follow the persistent batch), so such a step
+    # reads the device once, in acceptance
+    first_sampled = [] if not sampled.numel() else sampled[:, 0].tolist() if not by_row \
+        else step.result.output_tokens[:num_rows, 0].tolist()
     query_starts = runner.query_start_loc.np[:num_rows].tolist()
     computed = batch.num_computed_tokens_cpu[:num_rows].tolist()
     discard = runner.discard_request_mask.np[:num_rows].tolist()

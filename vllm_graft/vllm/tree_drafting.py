@@ -17,6 +17,7 @@ from vllm_graft.core.graft import GraftTreeBuilder
 from vllm_graft.core.isolation import IsolationMode, MatrixPartitions, default_max_matrices
 from vllm_graft.core.shared_outputs import PeerOutputs, RecentOutputsIndex
 from vllm_graft.core.successor import SuccessorMatrix
+from vllm_graft.core.transfer import dataclasses_to_host
 from vllm_graft.step_clock import SpanTimer
 from vllm_graft.vllm import draft_graphs
 from vllm_graft.vllm.chain_drafting import ChainDrafting
@@ -310,13 +311,15 @@ class GraftTreeDrafting(ChainDrafting, DraftingAdmission, DrafterForwards):
                                               partitions)
         if context is not None and self.sizer is not None:  # the acceptance model's input
             tree = self._scored_by_match(tree, [p.match_length for p in proposals])
-        proposal.build = stats
         if self.sizer is not None:
             tree, proposal.choice = self.sizer.trim(tree)
-        # the ranks of a tensor-parallel engine verify one tree; a copy of the build's
-        # (the next build reuses its buffers)
-        tree = agree(tree.to("cpu"))
-        stages, confidence = stats.stage.tolist(), stats.confidence.cpu().clone()
+        # the tree and its build's facts on the host in one copy (the round's one wait
+        # for the device; the next build reuses the device buffers); the ranks of a
+        # tensor-parallel engine verify one tree
+        tree, stats = dataclasses_to_host(tree, stats)
+        tree = agree(tree)
+        proposal.build = stats
+        stages, confidence = stats.stage.tolist(), stats.confidence
         rows = HostRows.of(tree)
         for t, i in enumerate(drafting):
             req_id = req_ids[settled[i].batch_row]

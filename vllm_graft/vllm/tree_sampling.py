@@ -26,6 +26,7 @@ from vllm_graft.core.budget import UNKNOWN_SCORE
 from vllm_graft.core.config import StepMode
 from vllm_graft.core.graft import count_accepted_sources
 from vllm_graft.core.hybrid import HybridTree
+from vllm_graft.core.transfer import dataclasses_to_host
 from vllm_graft.step_clock import Spans, StepClock
 from vllm_graft.vllm import matrix_learning
 from vllm_graft.vllm.proposal import last_proposal
@@ -66,14 +67,11 @@ def _batch_trees(trees: list[VerifiedTree], batch: int) -> HybridTree:
 
 
 def to_host(result: AcceptanceResult) -> AcceptanceResult:
-    """The acceptance result on the host, read once per step in one copy (the three
-    tensors packed as int64): every per-request loop after acceptance uses it, so the
-    device is waited for once per step rather than once per request or per tensor."""
-    parts = (result.accepted_rows, result.output_tokens, result.num_accepted)
-    packed = torch.cat([part.reshape(-1).to(torch.int64) for part in parts]).cpu()
-    pieces = packed.split([part.numel() for part in parts])
-    return AcceptanceResult(*(piece.view(part.shape).to(part.dtype)
-                              for piece, part in zip(pieces, parts)))
+    """The acceptance result on the host, read once per step in one copy
+    (:func:`~vllm_graft.core.transfer.dataclasses_to_host`): every per-request loop
+    after acceptance uses it, so the device is waited for once per step rather than
+    once per request or per tensor."""
+    return dataclasses_to_host(result)[0]
 
 
 @contextlib.contextmanager
