@@ -15,14 +15,17 @@ Sizes and thresholds
 --------------------
 A run passes when every p-value of an honest arm is above ``ALPHA`` = 1e-6; the control
 must give one below it. Plain sampling takes ``DISTRIBUTION_SAMPLES`` = 20,000 requests
-per setting (sampled once per module), and so does the tree walk under top-k, the
-arm the claim rests on. The arms that are smoke checks of other paths (trees under
-top-p, Graft-TAIL, DFlash) keep ``SAMPLES`` = 2,500 (20,000 each would add about three
-minutes per arm on two cores), compared with the same 20,000 plain requests.
+per setting (sampled once per module), and so does every tree arm the claim rests on:
+the fused walk under top-k and under top-p (the path of every batch that samples with
+temperature, top-k and top-p only), and the walk with vLLM's sampler at each level under
+top-p (the path of every other batch: seeds, min-p, logit bias, logprobs); each such
+arm takes about three minutes on two cores. The smoke checks of other drafters
+(Graft-TAIL, DFlash) keep ``SAMPLES`` = 2,500, compared with the same 20,000 plain
+requests.
 
 * False alarms. Each arm makes 5 comparisons (positions 0-3 and the joint of positions
-  1-2); the 4 honest arms and the synthetic pair below make 25: at 1e-6 each, at most
-  2.5e-5 of runs fail by chance if the p-values are calibrated. Bins are pooled where
+  1-2); the 5 honest arms and the synthetic pair below make 30: at 1e-6 each, at most
+  3e-5 of runs fail by chance if the p-values are calibrated. Bins are pooled where
   the smaller arm expects fewer than 5 (in two arms of one size: a total below 10, the
   rule before). Drawing both arms from this setting's empirical distribution, p < 1e-3
   came out in 0.05 % of 2,000 comparisons of 20,000 against 20,000 and in 0.16 % of
@@ -80,12 +83,12 @@ SETTINGS = {
     "t2.0-topk20": dict(temperature=2.0, top_k=20),
     "t1.6-topp0.9": dict(temperature=1.6, top_p=0.9),
 }
-#: requests of each tree arm (the top-p one is a smoke check; see the docstring)
-TREE_SAMPLES = {"t2.0-topk20": DISTRIBUTION_SAMPLES, "t1.6-topp0.9": SAMPLES}
-#: the walk each tree arm takes: the fused op (one op walks the whole batch, the path
-#: of every batch that only uses temperature, top-k and top-p) or vLLM's sampler at
-#: each level (the path of every other batch: seeds, min-p, logit bias, logprobs)
-TREE_WALKS = {"t2.0-topk20": "fused", "t1.6-topp0.9": "per-level"}
+#: the tree arms: (setting, walk), each of DISTRIBUTION_SAMPLES requests; the walk is
+#: the fused op (one op walks the whole batch, the path of every batch that only uses
+#: temperature, top-k and top-p) or vLLM's sampler at each level (the path of every
+#: other batch: seeds, min-p, logit bias, logprobs)
+TREE_ARMS = [("t2.0-topk20", "fused"), ("t1.6-topp0.9", "fused"),
+             ("t1.6-topp0.9", "per-level")]
 CONTROL_SETTING = "t2.0-topk20"
 CONTROL_SAMPLES = 5000  # enough for certainty (module docstring)
 ALPHA = 1e-6  # every p-value of an honest arm above it, one of the control's below
@@ -158,11 +161,11 @@ def per_level_walks_only(monkeypatch) -> None:
     monkeypatch.setattr(sampling_module, "filters_are_plain_sampling", lambda metadata: False)
 
 
-@pytest.mark.parametrize("name", SETTINGS)
-def test_graft_sampling_matches_plain_sampling(tiny_models, plain_samples, name,
+@pytest.mark.parametrize("name, walk", TREE_ARMS)
+def test_graft_sampling_matches_plain_sampling(tiny_models, plain_samples, name, walk,
                                                record_property, monkeypatch):
-    samples = TREE_SAMPLES[name]
-    if TREE_WALKS[name] == "per-level":
+    samples = DISTRIBUTION_SAMPLES
+    if walk == "per-level":
         per_level_walks_only(monkeypatch)
     got, metrics = sample(tiny_models.sharp, graft_spec(tiny_models.sharp_head, budget=60),
                           SETTINGS[name], seed=2, samples=samples)
@@ -170,7 +173,7 @@ def test_graft_sampling_matches_plain_sampling(tiny_models, plain_samples, name,
     assert metrics["graft_verified_trees"] > samples
     assert metrics["spec_decode_num_accepted_tokens"] > samples // 2, metrics
     fused = metrics.get("graft_fused_sampled_verifications", 0)
-    assert (fused > 0) == (TREE_WALKS[name] == "fused"), metrics
+    assert (fused > 0) == (walk == "fused"), metrics
     pvalues = distribution_pvalues(plain_samples(name), got)
     record_property("pvalues", pvalues)
     assert min(pvalues.values()) > ALPHA, pvalues
