@@ -17,11 +17,14 @@ Free of vLLM, so the device checks run it where vLLM is not installed.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections import deque
 from typing import Callable
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 class Mark:
@@ -102,6 +105,7 @@ class StepClock:
     def __init__(self, device: torch.device | str):
         self.cuda = torch.device(device).type == "cuda"
         self.waiting: deque[tuple[tuple, Callable[[], None]]] = deque()
+        self.failures = 0  # queued reads that raised (dropped: times are metrics)
 
     def mark(self) -> Mark:
         return Mark(self.cuda)
@@ -110,14 +114,21 @@ class StepClock:
         self.waiting.append((awaited, fn))
 
     def settle(self) -> int:
-        """Run what can run now (never waits); returns how many still wait."""
+        """Run what can run now (never waits); returns how many still wait. A read
+        that raises is dropped, logged once: a time is never worth a step."""
         kept: deque = deque()
         while self.waiting:
             awaited, fn = self.waiting.popleft()
-            if all(item.passed() for item in awaited):
-                fn()
-            else:
-                kept.append((awaited, fn))
+            try:
+                if all(item.passed() for item in awaited):
+                    fn()
+                else:
+                    kept.append((awaited, fn))
+            except Exception:
+                self.failures += 1
+                if self.failures == 1:
+                    logger.exception("Graft: a step's time could not be read; it is "
+                                     "dropped (later ones are dropped without a log line)")
         self.waiting = kept
         return len(kept)
 

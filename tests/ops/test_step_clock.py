@@ -112,3 +112,16 @@ def test_on_a_gpu_a_mark_is_queued_work_not_a_wait():
     clock.settle()
     assert len(times) == 1 and times[0] > 0.0
     assert left in (0, 1)  # 1 on any GPU the queue above keeps busy for a moment
+
+
+def test_a_read_that_raises_is_dropped_and_the_rest_still_run():
+    clock = StepClock("cpu")
+    ran = []
+
+    def broken():
+        raise RuntimeError("an event of a lost context")
+
+    clock.later(broken)
+    clock.later(lambda: ran.append("after"))
+    assert clock.settle() == 0
+    assert ran == ["after"] and clock.failures == 1
