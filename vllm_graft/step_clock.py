@@ -99,8 +99,8 @@ class StepClock:
     """One runner's marks and what its steps do with the times between them.
 
     :meth:`later` queues a function with the marks or spans it reads; :meth:`settle`
-    (called at fixed points of every step) runs, in order, every queued function whose
-    marks have passed and keeps the rest for the next call."""
+    (called once a step, when its counters ship) runs, in order, every queued function
+    whose marks have passed and keeps the rest for the next call."""
 
     def __init__(self, device: torch.device | str):
         self.cuda = torch.device(device).type == "cuda"

@@ -45,8 +45,10 @@ def settled_rows(runner, scheduler_output, sampled: torch.Tensor, step: GraftSte
     # the first token sampled for every row: from the step's host acceptance result
     # where a tree was verified (its rows follow the persistent batch), so such a step
     # reads the device once, in acceptance
-    first_sampled = [] if not sampled.numel() else sampled[:, 0].tolist() if not by_row \
-        else step.result.output_tokens[:num_rows, 0].tolist()
+    if by_row:
+        first_sampled = step.result.output_tokens[:num_rows, 0].tolist()
+    else:
+        first_sampled = sampled[:, 0].tolist() if sampled.numel() else []
     query_starts = runner.query_start_loc.np[:num_rows].tolist()
     computed = batch.num_computed_tokens_cpu[:num_rows].tolist()
     discard = runner.discard_request_mask.np[:num_rows].tolist()
@@ -107,7 +109,6 @@ def propose_with_trees(runner, scheduler_output, sampled_token_ids, aux_hidden_s
     step: GraftStep | None = runner._graft_step
     runner._graft_step = None
     clock: StepClock = runner._graft_clock
-    clock.settle()
     start = clock.mark()
     proposer.forward_timer.take()  # spans of earlier steps (e.g. dummy runs)
     proposer.catch_up_timer.take()
@@ -195,7 +196,6 @@ def propose_with_blocks(runner, sampled_token_ids, propose_blocks) -> list[list[
     runner._graft_step = None
     stats: GraftStats = runner._graft_stats
     clock: StepClock = runner._graft_clock
-    clock.settle()
     start = clock.mark()
     blocks = propose_blocks()
     drafted = clock.phase(lambda seconds: stats.add_seconds("draft_forward", seconds), start)
@@ -222,14 +222,13 @@ def _observe_step(runner, scheduler_output, settled: list[SettledRows] | None,
     measured or not."""
     proposer: GraftProposer = runner.drafter
     measured = last_proposal(runner)  # the proposal the step now ending verified
+    # the forward's time, read once the device has passed it (the step's own read of
+    # its result makes sure of that), teaches the sizer's cost profile
     forward = None if step is None else step.take_forward()
-    observed_step: list = []  # (mode, batch, nodes, ms) once the step is timed
-    if forward is not None:
-        # the profile follows what a forward really costs, read once the device has
-        # passed the forward (the step's own read of its result makes sure of that)
-        runner._graft_clock.later(lambda: _learn_forward_cost(
-            proposer.sizer.cost, step.num_tokens, forward.seconds() * 1e3, observed_step),
-            forward)
+    clock: StepClock = runner._graft_clock
+    if forward is not None:  # the profile follows what a forward really costs
+        clock.later(lambda: proposer.sizer.cost.observe(
+            1, step.num_tokens, forward.seconds() * 1e3), forward)
     preparation = measured.tree_preparation
     if proposer.guard is None and proposer.sizer is None:
         return
@@ -267,20 +266,18 @@ def _observe_step(runner, scheduler_output, settled: list[SettledRows] | None,
         guard.observe(mode, batch, credited, seconds)
     if forward is not None:
         nodes = max(scheduler_output.total_num_scheduled_tokens - batch, 0)
-        observed_step.append((mode, batch, nodes, seconds * 1e3))
+        clock.later(lambda: _learn_step_cost(proposer.sizer.cost, mode, batch, nodes,
+                                             seconds * 1e3, forward.seconds() * 1e3),
+                    forward)
 
 
-def _learn_forward_cost(cost, num_tokens: int, forward_ms: float, observed_step: list
-                        ) -> None:
-    """A step's forward time in the sizer's cost profile and, when the step was timed
-    (``observed_step``: its mode, batch, verified nodes and ms), the step's cost besides
-    the forward."""
-    cost.observe(1, num_tokens, forward_ms)
-    for mode, batch, nodes, step_ms in observed_step:
-        cost.observe_step(mode, batch, nodes, step_ms, forward_ms)
-        if cost.steps.observed % LOG_STEP_COSTS_EVERY == 0 and cost.steps.observed:
-            logger.info("Graft: step costs besides the forward, learned over %d steps: %s",
-                        cost.steps.observed, cost.steps.describe())
+def _learn_step_cost(cost, mode: StepMode, batch: int, nodes: int, step_ms: float,
+                     forward_ms: float) -> None:
+    """A timed step's cost besides its forward in the sizer's cost profile."""
+    cost.observe_step(mode, batch, nodes, step_ms, forward_ms)
+    if cost.steps.observed % LOG_STEP_COSTS_EVERY == 0 and cost.steps.observed:
+        logger.info("Graft: step costs besides the forward, learned over %d steps: %s",
+                    cost.steps.observed, cost.steps.describe())
 
 
 def _emitted_tokens(runner, scheduled: dict[str, int], settled: list[SettledRows] | None
